@@ -1,0 +1,318 @@
+"""The Engine: the pure core of AgentKV. Events in, state and decisions out.
+
+It mirrors what the cache holds from the events a connector (or the simulator) sends: which
+workflows are active and which agents they called, which requests run, which blocks each tier
+holds and which workflows own them. Decisions come from one pluggable policy; the Engine does no
+I/O and reads no clock but the one it is given, so the daemon, the simulator and the tests run the
+very same object.
+
+Memory stays bounded by what is resident or running: a block's ownership is dropped once no tier
+holds it, and finished workflows are forgotten once none of their blocks remain.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import count, repeat
+from typing import TYPE_CHECKING
+
+from policyd.types import (
+    TIERS,
+    Admit,
+    AllBlocksCleared,
+    BlocksLoaded,
+    BlocksRemoved,
+    BlocksStored,
+    Event,
+    EventBatch,
+    PolicySnapshot,
+    PrefixHit,
+    RequestFinished,
+    RequestStarted,
+    Tier,
+    WorkflowFinished,
+)
+
+if TYPE_CHECKING:
+    from policyd.policies.base import Policy
+
+Clock = Callable[[], float]
+
+
+@dataclass(slots=True)
+class WorkflowState:
+    workflow_id: str
+    workflow_type: str
+    started_ts: float
+    last_ts: float
+    agents: list[str] = field(default_factory=list)  # agent of each call, in order
+    running: int = 0
+    done: bool = False
+    blocks: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str
+    workflow_id: str
+    agent: str
+    block_hashes: tuple[int, ...]
+    prompt_tokens: int
+    started_ts: float
+    hints: dict[str, object]
+    hit: PrefixHit | None = None
+
+
+@dataclass(slots=True)
+class Counters:
+    events: int = 0
+    batches: int = 0
+    seq_gaps: int = 0
+    unknown_requests: int = 0
+    workflows_started: int = 0
+    workflows_finished: int = 0
+    idle_finishes: int = 0
+
+
+class EngineState:
+    """What the Engine knows. Policies read it; only the Engine writes it."""
+
+    def __init__(self) -> None:
+        self.workflows: dict[str, WorkflowState] = {}
+        self.requests: dict[str, RequestState] = {}
+        self.resident: dict[Tier, set[int]] = {tier: set() for tier in TIERS}
+        self.owners: dict[int, set[str]] = {}  # block -> workflows that referenced it
+        self.recency: dict[int, int] = {}  # block -> sequence of its last reference
+        self.counters = Counters()
+        self.last_seq: dict[str, int] = {}
+        self._ticks = count(1)
+
+    # -- queries policies use ------------------------------------------------------------------
+
+    def active_workflows(self) -> list[WorkflowState]:
+        return [w for w in self.workflows.values() if not w.done]
+
+    def is_retired(self, block: int) -> bool:
+        """True when every workflow that referenced the block has finished."""
+        owners = self.owners.get(block)
+        if not owners:
+            return False
+        workflows = self.workflows
+        return all(w not in workflows or workflows[w].done for w in owners)
+
+    def retired_blocks(self, tier: Tier) -> list[int]:
+        return [b for b in self.resident[tier] if self.is_retired(b)]
+
+    # -- updates -------------------------------------------------------------------------------
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        """Record a reference. Blocks get sequence numbers tail first, as vLLM frees them, so
+        that among blocks referenced together the deepest is the least recent."""
+        start = next(self._ticks)
+        self._ticks = count(start + len(blocks) + 1)
+        self.recency.update(zip(reversed(blocks), range(start, start + len(blocks)), strict=True))
+
+    def forget_blocks(self, blocks: Iterable[int]) -> None:
+        """Drop bookkeeping of blocks that no tier holds any more (set operations and ``map``
+        keep this off the per-block interpreter path: it runs for every eviction)."""
+        gone = set(blocks).difference(self.resident["gpu"], self.resident["host"])
+        if not gone:
+            return
+        deque(map(self.recency.pop, gone, repeat(None)), maxlen=0)
+        holders = [h for h in map(self.owners.pop, gone, repeat(None)) if h]
+        if not holders:
+            return
+        workflows = self.workflows
+        for wf in set().union(*holders):
+            state = workflows.get(wf)
+            if state is not None:
+                state.blocks.difference_update(gone)
+                if state.done and not state.blocks:
+                    del workflows[wf]
+
+
+class Engine:
+    """Feeds events to the state and to the policy; answers decisions.
+
+    ``idle_timeout_s``: a workflow with no running request for this long is inferred finished.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        clock: Clock = time.monotonic,
+        snapshot_ttl_s: float = 5.0,
+        idle_timeout_s: float = 600.0,
+    ) -> None:
+        self.policy = policy
+        self.clock = clock
+        self.snapshot_ttl_s = snapshot_ttl_s
+        self.idle_timeout_s = idle_timeout_s
+        self.state = EngineState()
+        self._snapshot_version = 0
+        self._handlers: dict[type, Callable[[EngineState, Event], None]] = {
+            RequestStarted: _on_request_started,
+            PrefixHit: _on_prefix_hit,
+            BlocksStored: _on_blocks_stored,
+            BlocksRemoved: _on_blocks_removed,
+            BlocksLoaded: _on_blocks_loaded,
+            AllBlocksCleared: _on_all_cleared,
+            RequestFinished: _on_request_finished,
+            WorkflowFinished: _on_workflow_finished,
+        }
+
+    # -- events in -----------------------------------------------------------------------------
+
+    def apply(self, batch: EventBatch) -> None:
+        state = self.state
+        last = state.last_seq.get(batch.source)
+        if last is not None and batch.seq != last + 1:
+            state.counters.seq_gaps += 1
+        state.last_seq[batch.source] = batch.seq
+        state.counters.batches += 1
+        for event in batch.events:
+            self.apply_event(event)
+
+    def apply_event(self, event: Event) -> None:
+        self._handlers[type(event)](self.state, event)
+        self.state.counters.events += 1
+        self.policy.observe(event, self.state)
+
+    def tick(self) -> list[WorkflowFinished]:
+        """Infer finished workflows after ``idle_timeout_s`` without a running request."""
+        now = self.clock()
+        inferred = [
+            WorkflowFinished(ts=now, workflow_id=w.workflow_id, reason="idle")
+            for w in self.state.workflows.values()
+            if not w.done and w.running == 0 and now - w.last_ts >= self.idle_timeout_s
+        ]
+        for event in inferred:
+            self.state.counters.idle_finishes += 1
+            self.apply_event(event)
+        return inferred
+
+    # -- decisions out -------------------------------------------------------------------------
+
+    def snapshot(self) -> PolicySnapshot:
+        self._snapshot_version += 1
+        return self.policy.snapshot(
+            self.state, now=self.clock(), version=self._snapshot_version, ttl_s=self.snapshot_ttl_s
+        )
+
+    def victims(self, tier: Tier, candidates: Sequence[int], n_blocks: int) -> list[int]:
+        """Which ``n_blocks`` of ``candidates`` to evict from ``tier`` now (synchronous path)."""
+        return self.policy.victims(tier, candidates, n_blocks, self.state)
+
+    def admit(self, request_id: str, block_hashes: Sequence[int]) -> Admit:
+        """Which of a request's new blocks to write to the host tier."""
+        return self.policy.admit(request_id, block_hashes, self.state)
+
+    def prefetch(self, budget_blocks: int) -> list[int]:
+        """Host-resident blocks to load into free GPU space, at most ``budget_blocks``."""
+        return self.policy.prefetch(budget_blocks, self.state)[:budget_blocks]
+
+
+# ---- event handlers (pure functions of state and event) ----------------------------------------
+
+
+def _on_request_started(state: EngineState, ev: Event) -> None:
+    assert isinstance(ev, RequestStarted)
+    wf = state.workflows.get(ev.workflow_id)
+    if wf is None:
+        wf = WorkflowState(ev.workflow_id, ev.workflow_type, ev.ts, ev.ts)
+        state.workflows[ev.workflow_id] = wf
+        state.counters.workflows_started += 1
+    elif wf.done:  # a workflow id reused after it finished: a new life
+        wf.done = False
+        wf.agents.clear()
+        state.counters.workflows_started += 1
+    wf.agents.append(ev.agent)
+    wf.last_ts = ev.ts
+    wf.running += 1
+    blocks = ev.block_hashes
+    new = set(blocks).difference(wf.blocks)
+    if new:
+        wf.blocks.update(new)
+        owners = state.owners
+        wid = ev.workflow_id
+        shared = {block for block in new if block in owners}
+        for block in shared:
+            owners[block].add(wid)
+        owners.update({block: {wid} for block in new.difference(shared)})
+    state.touch(blocks)
+    state.requests[ev.request_id] = RequestState(
+        ev.request_id, ev.workflow_id, ev.agent, blocks, ev.prompt_tokens, ev.ts, dict(ev.hints)
+    )
+
+
+def _on_prefix_hit(state: EngineState, ev: Event) -> None:
+    assert isinstance(ev, PrefixHit)
+    req = state.requests.get(ev.request_id)
+    if req is None:
+        state.counters.unknown_requests += 1
+        return
+    req.hit = ev
+
+
+def _on_blocks_stored(state: EngineState, ev: Event) -> None:
+    assert isinstance(ev, BlocksStored)
+    state.resident[ev.tier].update(ev.block_hashes)
+
+
+def _on_blocks_removed(state: EngineState, ev: Event) -> None:
+    assert isinstance(ev, BlocksRemoved)
+    state.resident[ev.tier].difference_update(ev.block_hashes)
+    state.forget_blocks(ev.block_hashes)
+
+
+def _on_blocks_loaded(state: EngineState, ev: Event) -> None:
+    assert isinstance(ev, BlocksLoaded)
+    state.resident["gpu"].update(ev.block_hashes)
+
+
+def _on_all_cleared(state: EngineState, ev: Event) -> None:
+    assert isinstance(ev, AllBlocksCleared)
+    dropped = list(state.resident[ev.tier])
+    state.resident[ev.tier].clear()
+    state.forget_blocks(dropped)
+
+
+def _on_request_finished(state: EngineState, ev: Event) -> None:
+    assert isinstance(ev, RequestFinished)
+    req = state.requests.pop(ev.request_id, None)
+    if req is None:
+        state.counters.unknown_requests += 1
+        return
+    wf = state.workflows.get(req.workflow_id)
+    if wf is not None:
+        wf.running = max(0, wf.running - 1)
+        wf.last_ts = ev.ts
+    # blocks the request used that no tier kept (bypassed, or never stored) are forgotten now
+    resident = state.resident
+    gone = set(req.block_hashes).difference(resident["gpu"], resident["host"])
+    if gone:
+        state.forget_blocks(gone)
+
+
+def _on_workflow_finished(state: EngineState, ev: Event) -> None:
+    assert isinstance(ev, WorkflowFinished)
+    wf = state.workflows.get(ev.workflow_id)
+    if wf is None or wf.done:
+        return
+    wf.done = True
+    wf.last_ts = ev.ts
+    state.counters.workflows_finished += 1
+    resident = state.resident
+    if not any(b in resident[t] for b in wf.blocks for t in TIERS):
+        # nothing of it is cached: forget it now, ownership included
+        for block in wf.blocks:
+            holders = state.owners.get(block)
+            if holders is not None:
+                holders.discard(ev.workflow_id)
+                if not holders:
+                    del state.owners[block]
+        del state.workflows[ev.workflow_id]

@@ -1,0 +1,34 @@
+"""The policy registry: names to factories. An unknown name is a ``ValueError`` listing the
+valid ones. Oracle policies need the future and take it as a keyword argument."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from policyd.policies.base import Ordering, Policy
+from policyd.policies.belady import Belady, FutureIndex
+from policyd.policies.lru import LRU
+
+POLICIES: dict[str, type[Policy]] = {
+    LRU.name: LRU,
+    Belady.name: Belady,
+}
+
+
+def make_policy(name: str, **kwargs: Any) -> Policy:
+    """Build the policy registered as ``name``."""
+    try:
+        factory = POLICIES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown policy {name!r}; valid policies: {', '.join(sorted(POLICIES))}"
+        ) from None
+    if factory.ordering == "oracle" and "future" not in kwargs:
+        raise ValueError(
+            f"{name!r} is an offline oracle: it needs the future (future=FutureIndex(...)); "
+            "the simulator builds it from the trace"
+        )
+    return factory(**kwargs)
+
+
+__all__ = ["POLICIES", "Belady", "FutureIndex", "Ordering", "Policy", "make_policy"]

@@ -1,0 +1,354 @@
+"""A model of vLLM's two KV tiers at block-hash granularity.
+
+``GpuTier`` is vLLM's block pool: a fixed number of physical blocks; blocks of running requests
+are referenced and cannot be evicted; freed blocks stay cached in an eviction queue until they
+are reused (touched: leave the queue) or evicted. ``HostTier`` is the offloading tier: every
+cached block is evictable.
+
+Eviction order is pluggable through the queue (``LruQueue`` is vLLM's free-queue order; a
+``KeyedQueue`` orders by a key such as a policy score or an oracle's next use).
+
+Simplification, stated: vLLM may hold two physical blocks under one hash (two running requests
+computing the same block); here the second copy is scratch space of its request, freed when the
+request ends, so only one copy is ever cached.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict, deque
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
+from itertools import count, repeat
+from typing import Any, Literal, Protocol
+
+RunningSpace = Literal["shared", "separate"]
+
+
+class EvictionQueue(Protocol):
+    """Cached, unreferenced blocks in eviction order."""
+
+    def push(self, block: int) -> None: ...
+    def push_many(self, blocks: list[int]) -> None: ...
+    def discard(self, block: int) -> None: ...
+    def discard_many(self, blocks: list[int]) -> None: ...
+    def pop_head(self) -> int | None: ...
+    def pop_many(self, n: int) -> list[int]: ...
+    def peek(self) -> int | None: ...
+    def __len__(self) -> int: ...
+    def __contains__(self, block: object) -> bool: ...
+
+
+class LruQueue(OrderedDict[int, None]):
+    """vLLM's free-block queue: appended at the tail when freed, evicted from the head.
+
+    It *is* the ordered dict, so membership and length stay C calls on the hot path.
+    """
+
+    def push(self, block: int) -> None:
+        self[block] = None
+
+    def push_many(self, blocks: list[int]) -> None:
+        self.update(dict.fromkeys(blocks))
+
+    def discard(self, block: int) -> None:
+        self.pop(block, None)
+
+    def discard_many(self, blocks: list[int]) -> None:
+        deque(map(self.pop, blocks, repeat(None)), maxlen=0)
+
+    def pop_head(self) -> int | None:
+        return self.popitem(last=False)[0] if self else None
+
+    def pop_many(self, n: int) -> list[int]:
+        """The ``n`` least recent blocks (fewer if the queue is shorter)."""
+        popitem = self.popitem
+        return [popitem(False)[0] for _ in range(min(n, len(self)))]
+
+    def peek(self) -> int | None:
+        return next(iter(self)) if self else None
+
+
+class KeyedQueue(dict[int, int]):
+    """A min-heap on ``key(block)`` (evaluated when the block is pushed), lazy deletion.
+
+    The dict maps each queued block to the sequence number of its live heap entry; the
+    sequence also breaks key ties by recency.
+    """
+
+    def __init__(self, key: Callable[[int], Hashable]) -> None:
+        super().__init__()
+        self._key = key
+        self._heap: list[tuple[Any, int, int]] = []
+        self._seq = count()
+
+    def push(self, block: int) -> None:
+        seq = next(self._seq)
+        self[block] = seq
+        heapq.heappush(self._heap, (self._key(block), seq, block))
+
+    def push_many(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self.push(block)
+
+    def discard(self, block: int) -> None:
+        self.pop(block, None)
+
+    def discard_many(self, blocks: list[int]) -> None:
+        deque(map(self.pop, blocks, repeat(None)), maxlen=0)
+
+    def _top(self) -> tuple[Any, int, int] | None:
+        heap = self._heap
+        while heap:
+            top = heap[0]
+            if self.get(top[2]) == top[1]:
+                return top
+            heapq.heappop(heap)
+        return None
+
+    def pop_head(self) -> int | None:
+        top = self._top()
+        if top is None:
+            return None
+        heapq.heappop(self._heap)
+        del self[top[2]]
+        return top[2]
+
+    def pop_many(self, n: int) -> list[int]:
+        out: list[int] = []
+        for _ in range(n):
+            block = self.pop_head()
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def peek(self) -> int | None:
+        top = self._top()
+        return None if top is None else top[2]
+
+    def rekey(self) -> None:
+        """Re-evaluate every key (after the scores changed), keeping recency order for ties."""
+        order = sorted(self, key=self.__getitem__)
+        self._heap.clear()
+        self.clear()
+        for block in order:
+            self.push(block)
+
+
+Admits = Callable[[int, int], bool]  # (candidate, victim) -> cache candidate by evicting victim?
+
+
+class GpuTier:
+    """vLLM's GPU block pool.
+
+    ``running_space="shared"`` (vLLM): a running request's blocks occupy the pool, so admitting
+    it evicts cached blocks to make room. ``"separate"``: the textbook cache abstraction the
+    reference simulators use - capacity counts cached blocks only, and a computed block is
+    inserted one at a time, possibly bypassed (``admits``).
+    """
+
+    def __init__(
+        self,
+        capacity_blocks: int,
+        queue: EvictionQueue,
+        *,
+        running_space: RunningSpace = "shared",
+        admits: Admits | None = None,
+    ) -> None:
+        if capacity_blocks < 0:
+            raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+        self.capacity_blocks = capacity_blocks
+        self.queue = queue
+        self.running_space = running_space
+        self.admits = admits
+        self.refs: dict[int, int] = {}  # cached block -> references by running requests
+        self.scratch_blocks = 0  # allocated to running requests, not (yet) cached
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def __contains__(self, block: object) -> bool:
+        return block in self.refs
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.capacity_blocks - len(self.refs) - self.scratch_blocks
+
+    def prefix_hits(self, blocks: Sequence[int], limit: int) -> int:
+        """Length of the leading run of cached blocks, at most ``limit``."""
+        refs = self.refs
+        n = 0
+        while n < limit and blocks[n] in refs:
+            n += 1
+        return n
+
+    def can_allocate(self, n_blocks: int) -> bool:
+        if self.running_space == "separate":
+            return True
+        return self.free_blocks + len(self.queue) >= n_blocks
+
+    # -- updates -------------------------------------------------------------------------------
+
+    def acquire(self, blocks: Sequence[int]) -> None:
+        """A request references cached blocks: they leave the eviction queue."""
+        refs = self.refs
+        self.queue.discard_many([b for b in blocks if refs[b] == 0])
+        refs.update({b: refs[b] + 1 for b in blocks})
+
+    def allocate(self, n_blocks: int) -> list[int]:
+        """Reserve ``n_blocks`` for a request; returns the cached blocks evicted for them."""
+        if self.running_space == "separate":
+            return []
+        evicted = self._evict(n_blocks - self.free_blocks)
+        self.scratch_blocks += n_blocks
+        return evicted
+
+    def _evict(self, n_blocks: int) -> list[int]:
+        if n_blocks <= 0:
+            return []
+        evicted = self.queue.pop_many(n_blocks)
+        if len(evicted) < n_blocks:
+            raise RuntimeError("GPU tier: no evictable block (caller must check can_allocate)")
+        deque(map(self.refs.pop, evicted), maxlen=0)
+        return evicted
+
+    def commit(self, blocks: Sequence[int], held: list[int]) -> tuple[list[int], list[int]]:
+        """Computed blocks become cached and referenced by their request (appended to ``held``).
+
+        Returns ``(cached, evicted)``. Shared space: the blocks were allocated; one already
+        cached (computed concurrently) stays scratch. Separate space: each is inserted, evicting
+        or bypassing; after the first block not cached the rest are not either (no prefix).
+        """
+        refs = self.refs
+        cached: list[int] = []
+        evicted: list[int] = []
+        if self.running_space == "shared":
+            cached = [b for b in dict.fromkeys(blocks) if b not in refs]
+            refs.update(dict.fromkeys(cached, 1))
+            self.scratch_blocks -= len(cached)
+            held.extend(cached)
+            return cached, evicted
+        queue, admits = self.queue, self.admits
+        for block in blocks:
+            if block in refs:
+                continue
+            if len(refs) >= self.capacity_blocks:
+                victim = queue.peek()
+                if victim is None or (admits is not None and not admits(block, victim)):
+                    break
+                queue.pop_head()
+                del refs[victim]
+                evicted.append(victim)
+            refs[block] = 1
+            held.append(block)
+            cached.append(block)
+        return cached, evicted
+
+    def insert_unreferenced(self, blocks: Iterable[int]) -> list[int]:
+        """Prefetched blocks: cached into free space only (never evicting), unreferenced."""
+        refs, queue = self.refs, self.queue
+        inserted: list[int] = []
+        for block in blocks:
+            if self.free_blocks <= 0:
+                break
+            if block in refs:
+                continue
+            refs[block] = 0
+            queue.push(block)
+            inserted.append(block)
+        return inserted
+
+    def release(self, held: Sequence[int], scratch_blocks: int) -> None:
+        """A request ended: its blocks are freed tail first (vLLM's order), so a prefix's
+        deepest block is evicted before its parents; its scratch space is returned."""
+        refs = self.refs
+        freed: list[int] = []
+        for block in reversed(held):
+            n = refs[block] - 1
+            refs[block] = n
+            if n == 0:
+                freed.append(block)
+        self.queue.push_many(freed)
+        self.scratch_blocks -= scratch_blocks
+
+
+class HostTier:
+    """The host (CPU) tier of vLLM's offloading connector: store, look up, evict."""
+
+    def __init__(self, capacity_blocks: int, queue: EvictionQueue, *, admits: Admits | None = None):
+        if capacity_blocks < 0:
+            raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+        self.capacity_blocks = capacity_blocks
+        self.queue = queue
+        self.admits = admits
+
+    def __contains__(self, block: object) -> bool:
+        return block in self.queue
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def prefix_hits(self, blocks: Sequence[int], start: int, limit: int) -> int:
+        """Length of the run of host-resident blocks from ``start``, at most ``limit`` in all."""
+        queue = self.queue
+        n = start
+        while n < limit and blocks[n] in queue:
+            n += 1
+        return n - start
+
+    def touch(self, blocks: Iterable[int]) -> None:
+        """Make resident ``blocks`` the most recent, in the order given."""
+        queue = self.queue
+        present = [b for b in blocks if b in queue]
+        queue.discard_many(present)
+        queue.push_many(present)
+
+    def store(
+        self, blocks: Sequence[int], protected: Collection[int] = ()
+    ) -> tuple[list[int], list[int]]:
+        """Write blocks not yet resident, evicting others; ``protected`` (the request's own
+        keys) are never evicted for it. Returns ``(stored, evicted)``.
+
+        Without ``admits`` this is vLLM's ``prepare_store``: all or nothing - when not enough
+        unprotected blocks can be evicted nothing is stored. With ``admits`` (an oracle) each
+        block is decided alone and may be bypassed.
+        """
+        queue, admits = self.queue, self.admits
+        new = [b for b in dict.fromkeys(blocks) if b not in queue]
+        stored: list[int] = []
+        evicted: list[int] = []
+        if not new or self.capacity_blocks == 0:
+            return stored, evicted
+        guard = {b for b in protected if b in queue}
+        if admits is None:
+            n_evict = len(queue) + len(new) - self.capacity_blocks
+            if n_evict > len(queue) - len(guard):
+                return stored, evicted
+            kept: list[int] = []
+            while len(evicted) < n_evict:
+                victim = queue.pop_head()
+                assert victim is not None
+                (kept if victim in guard else evicted).append(victim)
+            for block in kept:
+                queue.push(block)
+            for block in new:
+                queue.push(block)
+            return new, evicted
+        for block in new:
+            if len(queue) >= self.capacity_blocks:
+                victim = queue.peek()
+                if victim is None or victim in guard or not admits(block, victim):
+                    continue
+                queue.pop_head()
+                evicted.append(victim)
+            queue.push(block)
+            stored.append(block)
+        return stored, evicted
+
+    def clear(self) -> list[int]:
+        dropped: list[int] = []
+        while (block := self.queue.pop_head()) is not None:
+            dropped.append(block)
+        return dropped

@@ -1,0 +1,501 @@
+"""Closed-loop, trace-driven replay of a workload through the two-tier cache model.
+
+``concurrency`` streams run at once; call k+1 of a stream arrives ``gap_s`` after call k
+finished; when a stream ends the next one starts. Requests are admitted first-come first-served
+when the GPU pool can hold all their blocks (vLLM's scheduler, head-of-line blocking included).
+
+Per request, as vLLM with an offloading connector does it: the GPU prefix hit is taken (never the
+whole prompt: the last token is always computed), then the run of host-resident blocks after it is
+loaded over the host link, the rest is recomputed. Computed blocks are cached when the prefill
+ends, output blocks when decoding ends; new blocks are offered to the host tier (write-through),
+and the request's GPU blocks are freed once its host writes are done.
+
+Cost model (per profile): prefills run one at a time at ``prefill_tokens_per_s`` after their
+loads arrive; loads and stores queue on their own direction of the host link; decoding runs
+concurrently at ``decode_s_per_token``.
+
+The simulator drives the same ``Engine`` as the daemon, with events in sequenced batches
+(optionally through the wire codec) and the policy's snapshot applied every
+``snapshot_interval_s`` of simulated time, so decisions are as stale as they would be in service.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from itertools import count
+
+from policyd.engine import Engine
+from policyd.policies import FutureIndex, Policy, make_policy
+from policyd.sim.cache import GpuTier, HostTier, KeyedQueue, LruQueue, RunningSpace
+from policyd.sim.profiles import HardwareProfile, get_profile
+from policyd.sim.report import Report, RequestRecord
+from policyd.types import (
+    BATCH_CODEC,
+    BLOCK_SIZE_TOKENS,
+    BlocksLoaded,
+    BlocksRemoved,
+    BlocksStored,
+    Event,
+    EventBatch,
+    PolicySnapshot,
+    PrefixHit,
+    RequestFinished,
+    RequestStarted,
+    Tier,
+    WorkflowFinished,
+)
+from policyd.workload import Call, Stream, Workload
+
+Progress = Callable[[int], None]  # called with the number of calls completed since last call
+
+_ARRIVE, _PREFILLED, _FINISH, _SNAPSHOT = range(4)
+_SYNTHETIC_BIT = 1 << 63  # hashes for output blocks whose content the workload does not give
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """One replay's settings. ``gpu_blocks``/``host_blocks`` default to the profile's sizes."""
+
+    concurrency: int = 8
+    gpu_blocks: int | None = None
+    host_blocks: int | None = None
+    profile: str = "h200-llama3.1-8b"
+    running_space: RunningSpace = "shared"
+    recompute_last_token: bool = True
+    snapshot_interval_s: float = 1.0
+    codec_roundtrip: bool = False
+    prefetch_budget_blocks: int = 0
+    offload_prompt_only: bool = True  # vLLM 0.32's default: decode blocks are not offloaded
+    record_requests: bool = False
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.snapshot_interval_s <= 0:
+            raise ValueError("snapshot_interval_s must be > 0")
+
+
+@dataclass(slots=True)
+class _Req:
+    rid: str
+    call: Call
+    stream: int
+    index: int
+    arrival_s: float
+    physical_blocks: int
+    output_blocks: tuple[int, ...]
+    held: list[int] = field(default_factory=list)
+    scratch: int = 0
+    gpu_hit: int = 0
+    host_hit: int = 0
+    prefill_end_s: float = 0.0
+
+
+class Simulator:
+    """Replays ``workload`` under ``policy``; ``run()`` returns a ``Report``."""
+
+    def __init__(self, workload: Workload, policy: Policy, config: SimConfig) -> None:
+        self.workload = workload
+        self.policy = policy
+        self.config = config
+        self.profile: HardwareProfile = get_profile(config.profile)
+        gpu_blocks = (
+            config.gpu_blocks if config.gpu_blocks is not None else self.profile.gpu_blocks()
+        )
+        host_blocks = (
+            config.host_blocks if config.host_blocks is not None else self.profile.host_blocks()
+        )
+        self.now = 0.0
+        self.engine = Engine(policy, clock=lambda: self.now)
+        self._snapshot: PolicySnapshot | None = None
+        self._scores: dict[int, float] = {}
+        self.gpu = GpuTier(
+            gpu_blocks,
+            self._queue("gpu"),
+            running_space=config.running_space,
+            admits=self._oracle_admits("gpu"),
+        )
+        self.host = HostTier(host_blocks, self._queue("host"), admits=self._oracle_admits("host"))
+        self._events: list[Event] = []
+        self._batch_seq = count(1)
+        self._timers: list[tuple[float, int, int, object]] = []
+        self._timer_seq = count()
+        self._waiting: deque[_Req] = deque()
+        self._running = 0
+        self._compute_free_s = 0.0
+        self._h2d_free_s = 0.0
+        self._d2h_free_s = 0.0
+        self._synthetic = count()
+        self.report = Report(
+            policy=policy.name,
+            workload=workload.name,
+            profile=self.profile.name,
+            concurrency=config.concurrency,
+            gpu_blocks=gpu_blocks,
+            host_blocks=host_blocks,
+        )
+        self._latencies: list[float] = []
+
+    # -- wiring the policy in ----------------------------------------------------------------
+
+    def _queue(self, tier: Tier) -> LruQueue | KeyedQueue:
+        ordering = self.policy.ordering
+        if ordering == "recency":
+            return LruQueue()
+        if ordering == "oracle":
+            policy = self.policy
+            return KeyedQueue(lambda b: policy.oracle_key(tier, b))
+        scores = self._scores
+        return KeyedQueue(lambda b: scores.get(b, self._default_score()))
+
+    def _default_score(self) -> float:
+        return self._snapshot.default_score if self._snapshot is not None else 0.0
+
+    def _oracle_admits(self, tier: Tier) -> Callable[[int, int], bool] | None:
+        if self.policy.ordering != "oracle":
+            return None
+        policy = self.policy
+        return lambda block, victim: policy.oracle_admits(tier, block, victim)
+
+    def _apply_snapshot(self) -> None:
+        snap = self.engine.snapshot()
+        self._snapshot = snap
+        self._scores.clear()
+        for group in snap.scores:
+            self._scores.update(dict.fromkeys(group.block_hashes, group.score))
+        for queue in (self.gpu.queue, self.host.queue):
+            if isinstance(queue, KeyedQueue):
+                queue.rekey()
+
+    def _snapshot_fresh(self) -> PolicySnapshot | None:
+        snap = self._snapshot
+        if snap is None or self.now - snap.ts > snap.ttl_s:
+            return None
+        return snap
+
+    # -- the event loop ----------------------------------------------------------------------
+
+    def _at(self, when: float, kind: int, payload: object) -> None:
+        heapq.heappush(self._timers, (when, next(self._timer_seq), kind, payload))
+
+    def run(self, progress: Progress | None = None) -> Report:
+        started = time.perf_counter()
+        streams: Iterator[tuple[int, Stream]] = enumerate(self.workload)
+        active = 0
+        for stream_index, stream in streams:
+            if stream:
+                self._arrive(stream_index, stream, 0)
+                active += 1
+                if active >= self.config.concurrency:
+                    break
+        if self.policy.ordering == "snapshot":
+            self._apply_snapshot()
+            self._at(self.config.snapshot_interval_s, _SNAPSHOT, None)
+        done = 0
+        while self._timers:
+            when, _, kind, payload = heapq.heappop(self._timers)
+            self.now = when
+            if kind == _SNAPSHOT:
+                self._apply_snapshot()
+                if len(self._timers) > 0:
+                    self._at(when + self.config.snapshot_interval_s, _SNAPSHOT, None)
+            elif kind == _ARRIVE:
+                assert isinstance(payload, _Req)
+                self._waiting.append(payload)
+                self._admit_waiting()
+            elif kind == _PREFILLED:
+                assert isinstance(payload, _Req)
+                self._prefilled(payload)
+            elif kind == _FINISH:
+                assert isinstance(payload, _Req)
+                req = payload
+                self._finish(req)
+                self._prefetch()
+                self._admit_waiting()
+                done += 1
+                if progress is not None and done % 256 == 0:
+                    progress(256)
+                stream = self.workload.streams[req.stream]
+                if req.index + 1 < len(stream):
+                    self._arrive(req.stream, stream, req.index + 1)
+                else:
+                    self._events.append(
+                        WorkflowFinished(ts=self.now, workflow_id=req.call.workflow_id)
+                    )
+                    for stream_index, stream in streams:
+                        if stream:
+                            self._arrive(stream_index, stream, 0)
+                            break
+            self._flush()
+        if self._waiting:
+            raise RuntimeError(f"{len(self._waiting)} requests never admitted")
+        if progress is not None:
+            progress(done % 256)
+        self.report.finish(self.now, self._latencies, time.perf_counter() - started)
+        return self.report
+
+    def _flush(self) -> None:
+        if not self._events:
+            return
+        batch = EventBatch(source="sim", seq=next(self._batch_seq), events=tuple(self._events))
+        self._events.clear()
+        if self.config.codec_roundtrip:
+            batch = BATCH_CODEC.decode(BATCH_CODEC.encode(batch))
+        self.engine.apply(batch)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _arrive(self, stream_index: int, stream: Stream, index: int) -> None:
+        call = stream[index]
+        total_tokens = call.prompt_tokens + call.output_tokens
+        physical = -(-total_tokens // BLOCK_SIZE_TOKENS)
+        n_out = total_tokens // BLOCK_SIZE_TOKENS - len(call.block_hashes)
+        output = call.output_block_hashes[:n_out]
+        if len(output) < n_out:  # content unknown: unique blocks nobody will reuse
+            output += tuple(
+                _SYNTHETIC_BIT | next(self._synthetic) for _ in range(n_out - len(output))
+            )
+        when = self.now + (call.gap_s if index > 0 else 0.0)
+        req = _Req(f"{stream_index}.{index}", call, stream_index, index, when, physical, output)
+        self._at(when, _ARRIVE, req)
+
+    def _hit_limit(self, call: Call) -> int:
+        n = len(call.block_hashes)
+        if self.config.recompute_last_token:
+            # vLLM computes at least the last prompt token, so a fully cached prompt loses a block
+            return min(n, (call.prompt_tokens - 1) // BLOCK_SIZE_TOKENS)
+        return n
+
+    def _admit_waiting(self) -> None:
+        gpu = self.gpu
+        while self._waiting:
+            req = self._waiting[0]
+            blocks = req.call.block_hashes
+            limit = self._hit_limit(req.call)
+            gpu_hit = gpu.prefix_hits(blocks, limit)
+            queued_hits = sum(1 for b in blocks[:gpu_hit] if gpu.refs[b] == 0)
+            new_blocks = req.physical_blocks - gpu_hit
+            if not gpu.can_allocate(new_blocks + queued_hits):
+                if self._running == 0:
+                    raise ValueError(
+                        f"request {req.rid} needs {req.physical_blocks} GPU blocks but the GPU "
+                        f"tier has {gpu.capacity_blocks}: raise the GPU capacity"
+                    )
+                return
+            self._waiting.popleft()
+            self._running += 1
+            self._start(req, gpu_hit, limit, new_blocks)
+
+    def _start(self, req: _Req, gpu_hit: int, limit: int, new_blocks: int) -> None:
+        call, gpu, host, profile, now = req.call, self.gpu, self.host, self.profile, self.now
+        blocks = call.block_hashes
+        # vLLM's offloading lookup is not capped at N-1 tokens: it may load the whole prompt
+        # and then recompute one token (offloading/scheduler.py, sched/scheduler.py in 0.32)
+        host_hit = host.prefix_hits(blocks, gpu_hit, len(blocks)) if len(host) else 0
+        gpu.acquire(blocks[:gpu_hit])
+        req.held.extend(blocks[:gpu_hit])
+        evicted = gpu.allocate(new_blocks)
+        if self.config.running_space == "shared":
+            req.scratch = new_blocks
+        req.gpu_hit, req.host_hit = gpu_hit, host_hit
+        events = self._events
+        events.append(
+            RequestStarted(
+                ts=now,
+                request_id=req.rid,
+                workflow_id=call.workflow_id,
+                agent=call.agent,
+                workflow_type=call.workflow_type,
+                block_hashes=blocks,
+                prompt_tokens=call.prompt_tokens,
+                hints=call.hints,
+            )
+        )
+        recomputed = len(blocks) - gpu_hit - host_hit
+        events.append(
+            PrefixHit(
+                ts=now,
+                request_id=req.rid,
+                gpu_blocks=gpu_hit,
+                host_blocks=host_hit,
+                recomputed_blocks=recomputed,
+            )
+        )
+        if evicted:
+            events.append(BlocksRemoved(ts=now, tier="gpu", block_hashes=tuple(evicted)))
+        load_bytes = host_hit * profile.kv_bytes_per_block
+        load_end = now
+        if load_bytes:
+            load_start = max(now, self._h2d_free_s)
+            load_end = self._h2d_free_s = load_start + load_bytes / profile.h2d_bytes_per_s
+            events.append(
+                BlocksLoaded(
+                    ts=now, block_hashes=blocks[gpu_hit : gpu_hit + host_hit], request_id=req.rid
+                )
+            )
+        # vLLM caches a request's blocks when it is scheduled: later admissions hit them
+        self._cache_gpu(req, blocks[gpu_hit:])
+        computed_tokens = max(1, call.prompt_tokens - (gpu_hit + host_hit) * BLOCK_SIZE_TOKENS)
+        prefill_start = max(now, self._compute_free_s, load_end)
+        req.prefill_end_s = self._compute_free_s = (
+            prefill_start + computed_tokens / profile.prefill_tokens_per_s
+        )
+        r = self.report
+        r.requests += 1
+        r.prompt_blocks += len(blocks)
+        r.prompt_tokens += call.prompt_tokens
+        r.gpu_hit_blocks += gpu_hit
+        r.host_hit_blocks += host_hit
+        r.recomputed_tokens += computed_tokens
+        r.host_read_bytes += load_bytes
+        r.gpu_evicted_blocks += len(evicted)
+        if self.config.record_requests:
+            r.records.append(
+                RequestRecord(req.rid, call.workflow_id, call.agent, len(blocks), gpu_hit, host_hit)
+            )
+        self._at(req.prefill_end_s, _PREFILLED, req)
+
+    def _cache_gpu(self, req: _Req, blocks: Sequence[int]) -> None:
+        cached, evicted = self.gpu.commit(blocks, req.held)
+        if self.config.running_space == "shared":
+            req.scratch -= len(cached)
+        if evicted:
+            self._events.append(BlocksRemoved(ts=self.now, tier="gpu", block_hashes=tuple(evicted)))
+            self.report.gpu_evicted_blocks += len(evicted)
+        if cached:
+            self._events.append(
+                BlocksStored(
+                    ts=self.now, tier="gpu", block_hashes=tuple(cached), request_id=req.rid
+                )
+            )
+
+    def _offered(self, req: _Req) -> Sequence[int]:
+        """What vLLM's offloading scheduler offers to the host tier for this request: every
+        prompt block, or, after a host load, the blocks past the loaded ones; output blocks
+        only when ``offload_prompt_only`` is off."""
+        blocks = req.call.block_hashes
+        offered = blocks[req.gpu_hit + req.host_hit :] if req.host_hit else blocks
+        if not self.config.offload_prompt_only:
+            offered = offered + req.output_blocks
+        return offered
+
+    def _store(self, req: _Req, offered: Sequence[int]) -> None:
+        host = self.host
+        resident = host.queue
+        candidates = [b for b in offered if b not in resident]
+        if not candidates:
+            return
+        admitted = self._write_filter(req, candidates)
+        stored, evicted = host.store(admitted, protected=offered)
+        r = self.report
+        r.host_declined_blocks += len(candidates) - len(stored)
+        r.host_evicted_blocks += len(evicted)
+        if evicted:
+            self._events.append(
+                BlocksRemoved(ts=self.now, tier="host", block_hashes=tuple(evicted))
+            )
+        if stored:
+            self._events.append(
+                BlocksStored(
+                    ts=self.now, tier="host", block_hashes=tuple(stored), request_id=req.rid
+                )
+            )
+            nbytes = len(stored) * self.profile.kv_bytes_per_block
+            r.host_write_bytes += nbytes
+            start = max(self.now, self._d2h_free_s)
+            self._d2h_free_s = start + nbytes / self.profile.d2h_bytes_per_s
+
+    def _write_filter(self, req: _Req, candidates: list[int]) -> list[int]:
+        snap = self._snapshot_fresh()
+        if snap is None or snap.write_filter.mode == "none":
+            return candidates
+        wf = snap.write_filter
+        if wf.mode == "conditioned" and not wf.pressure:
+            return candidates
+        return candidates if len(candidates) <= wf.max_new_blocks else []
+
+    def _prefilled(self, req: _Req) -> None:
+        """The prompt's KV exists: write it to the host tier, then decode."""
+        if self.host.capacity_blocks:
+            self._store(req, self._offered(req))
+        finish = self.now + req.call.output_tokens * self.profile.decode_s_per_token
+        self._at(finish, _FINISH, req)
+
+    def _finish(self, req: _Req) -> None:
+        if req.output_blocks:
+            self._cache_gpu(req, req.output_blocks)
+        if self.host.capacity_blocks:
+            # the offloading manager re-ranks the request's keys at finish, tail first
+            # (the loaded keys and the offered ones), tail first
+            touched = req.call.block_hashes[req.gpu_hit :] if req.host_hit else self._offered(req)
+            self.host.touch(reversed(touched))
+        self._events.append(
+            RequestFinished(ts=self.now, request_id=req.rid, output_tokens=req.call.output_tokens)
+        )
+        self._latencies.append(self.now - req.arrival_s)
+        self.gpu.release(req.held, req.scratch)
+        self._running -= 1
+
+    def _prefetch(self) -> None:
+        budget = min(self.config.prefetch_budget_blocks, self.gpu.free_blocks)
+        if budget <= 0 or not len(self.host):
+            return
+        wanted = [b for b in self.engine.prefetch(budget) if b in self.host and b not in self.gpu]
+        if not wanted:
+            return
+        loaded = self.gpu.insert_unreferenced(wanted)
+        if loaded:
+            nbytes = len(loaded) * self.profile.kv_bytes_per_block
+            self.report.host_read_bytes += nbytes
+            self.report.prefetched_blocks += len(loaded)
+            start = max(self.now, self._h2d_free_s)
+            self._h2d_free_s = start + nbytes / self.profile.h2d_bytes_per_s
+            self._events.append(BlocksLoaded(ts=self.now, block_hashes=tuple(loaded)))
+
+
+# ---- running policies ----------------------------------------------------------------------------
+
+
+def _order_of(report: Report, workload: Workload) -> list[tuple[str, Sequence[int]]]:
+    """The order in which calls reached the cache in a replay, with each call's blocks."""
+    order: list[tuple[str, Sequence[int]]] = []
+    for rec in report.records:
+        stream, index = (int(x) for x in rec.request_id.split("."))
+        call = workload.streams[stream][index]
+        order.append((rec.request_id, call.block_hashes + call.output_block_hashes))
+    return order
+
+
+def simulate(
+    workload: Workload,
+    policy_name: str,
+    config: SimConfig,
+    *,
+    progress: Progress | None = None,
+    belady_passes: int = 2,
+) -> Report:
+    """Replay ``workload`` under the named policy.
+
+    ``belady`` needs the order calls reach the cache, which in a closed loop depends on the
+    policy: pass 1 takes the order of an LRU replay, each further pass the order of the previous
+    Belady replay (with concurrency 1 the order is fixed and one pass is exact).
+    """
+    if policy_name != "belady":
+        return Simulator(workload, make_policy(policy_name), config).run(progress)
+    recording = dataclasses.replace(config, record_requests=True)
+    report = Simulator(workload, make_policy("lru"), recording).run()
+    passes = 1 if config.concurrency == 1 else max(1, belady_passes)
+    for i in range(passes):
+        future = FutureIndex(_order_of(report, workload))
+        last = i == passes - 1
+        report = Simulator(workload, make_policy("belady", future=future), recording).run(
+            progress if last else None
+        )
+    if not config.record_requests:
+        report.records.clear()
+    return report

@@ -1,0 +1,26 @@
+"""Workload generators. ``WORKLOADS`` maps a name to a factory ``(seed, **params) -> Workload``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from policyd.workload import Workload
+from policyd.workloads.synthetic import synthetic_agents
+
+WORKLOADS: dict[str, Callable[..., Workload]] = {
+    "synthetic": synthetic_agents,
+}
+
+
+def make_workload(name: str, *, seed: int = 0, **params: Any) -> Workload:
+    try:
+        factory = WORKLOADS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown workload {name!r}; valid workloads: {', '.join(sorted(WORKLOADS))}"
+        ) from None
+    return factory(seed=seed, **params)
+
+
+__all__ = ["WORKLOADS", "make_workload"]
