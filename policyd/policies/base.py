@@ -53,7 +53,7 @@ class Policy:
         """Host blocks worth loading into free GPU space. Default: none."""
         return []
 
-    def oracle_key(self, tier: Tier, block: int) -> tuple[int, int]:
+    def oracle_keys(self, tier: Tier, blocks: Sequence[int]) -> list[tuple[int, int]]:
         """For ``ordering == "oracle"``: the block with the *smallest* key is evicted first."""
         raise NotImplementedError(f"{self.name} is not an oracle policy")
 

@@ -65,8 +65,9 @@ class Belady(Policy):
     def _next(self, block: int) -> int:
         return self.next_use.get(block, self.future.never)
 
-    def oracle_key(self, tier: Tier, block: int) -> tuple[int, int]:
-        return (-self._next(block), -self.future.depth.get(block, 0))
+    def oracle_keys(self, tier: Tier, blocks: Sequence[int]) -> list[tuple[int, int]]:
+        next_use, never, depth = self.next_use.get, self.future.never, self.future.depth.get
+        return [(-next_use(b, never), -depth(b, 0)) for b in blocks]
 
     def oracle_admits(self, tier: Tier, block: int, victim: int) -> bool:
         return self._next(victim) > self._next(block)
@@ -74,4 +75,6 @@ class Belady(Policy):
     def victims(
         self, tier: Tier, candidates: Sequence[int], n_blocks: int, state: EngineState
     ) -> list[int]:
-        return sorted(candidates, key=lambda b: self.oracle_key(tier, b))[:n_blocks]
+        keys = self.oracle_keys(tier, candidates)
+        ranked = sorted(range(len(candidates)), key=keys.__getitem__)
+        return [candidates[i] for i in ranked[:n_blocks]]

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
-from itertools import count, repeat
+from collections.abc import Callable, Collection, Iterable, Sequence
+from itertools import repeat
 from typing import Any, Literal, Protocol
 
 RunningSpace = Literal["shared", "separate"]
@@ -75,20 +75,23 @@ class KeyedQueue(dict[int, int]):
     sequence also breaks key ties by recency.
     """
 
-    def __init__(self, key: Callable[[int], Hashable]) -> None:
+    def __init__(self, keys: Callable[[Sequence[int]], list[Any]]) -> None:
         super().__init__()
-        self._key = key
+        self._keys = keys  # keys of many blocks in one call: the hot path is bulk
         self._heap: list[tuple[Any, int, int]] = []
-        self._seq = count()
+        self._seq = 0
 
     def push(self, block: int) -> None:
-        seq = next(self._seq)
-        self[block] = seq
-        heapq.heappush(self._heap, (self._key(block), seq, block))
+        self.push_many([block])
 
     def push_many(self, blocks: list[int]) -> None:
-        for block in blocks:
-            self.push(block)
+        if not blocks:
+            return
+        seqs = range(self._seq, self._seq + len(blocks))
+        self._seq += len(blocks)
+        self.update(zip(blocks, seqs, strict=True))
+        entries = zip(self._keys(blocks), seqs, blocks, strict=True)
+        deque(map(heapq.heappush, repeat(self._heap), entries), maxlen=0)
 
     def discard(self, block: int) -> None:
         self.pop(block, None)
@@ -131,8 +134,7 @@ class KeyedQueue(dict[int, int]):
         order = sorted(self, key=self.__getitem__)
         self._heap.clear()
         self.clear()
-        for block in order:
-            self.push(block)
+        self.push_many(order)
 
 
 Admits = Callable[[int, int], bool]  # (candidate, victim) -> cache candidate by evicting victim?
@@ -264,13 +266,9 @@ class GpuTier:
         """A request ended: its blocks are freed tail first (vLLM's order), so a prefix's
         deepest block is evicted before its parents; its scratch space is returned."""
         refs = self.refs
-        freed: list[int] = []
-        for block in reversed(held):
-            n = refs[block] - 1
-            refs[block] = n
-            if n == 0:
-                freed.append(block)
-        self.queue.push_many(freed)
+        left = {b: refs[b] - 1 for b in held}  # held blocks are distinct
+        refs.update(left)
+        self.queue.push_many([b for b in reversed(held) if not left[b]])
         self.scratch_blocks -= scratch_blocks
 
 

@@ -149,9 +149,14 @@ class Simulator:
             return LruQueue()
         if ordering == "oracle":
             policy = self.policy
-            return KeyedQueue(lambda b: policy.oracle_key(tier, b))
+            return KeyedQueue(lambda blocks: policy.oracle_keys(tier, blocks))
         scores = self._scores
-        return KeyedQueue(lambda b: scores.get(b, self._default_score()))
+
+        def score_keys(blocks: Sequence[int]) -> list[float]:
+            default = self._default_score()
+            return [scores.get(b, default) for b in blocks]
+
+        return KeyedQueue(score_keys)
 
     def _default_score(self) -> float:
         return self._snapshot.default_score if self._snapshot is not None else 0.0
@@ -278,7 +283,8 @@ class Simulator:
             blocks = req.call.block_hashes
             limit = self._hit_limit(req.call)
             gpu_hit = gpu.prefix_hits(blocks, limit)
-            queued_hits = sum(1 for b in blocks[:gpu_hit] if gpu.refs[b] == 0)
+            refs = gpu.refs
+            queued_hits = len([b for b in blocks[:gpu_hit] if not refs[b]])
             new_blocks = req.physical_blocks - gpu_hit
             if not gpu.can_allocate(new_blocks + queued_hits):
                 if self._running == 0:

@@ -1,0 +1,183 @@
+"""``policyd bench``: policies x workloads x concurrency x capacities, measured in one run.
+
+Every point also replays ``belady`` on the same workload and capacities, so each policy's hit rate
+is reported as a fraction of the oracle's. The command line that reproduces a run is printed with
+its table and stored in its JSON.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shlex
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from policyd.policies import POLICIES
+from policyd.sim.replay import SimConfig, simulate
+from policyd.sim.report import Report
+from policyd.workload import Workload
+from policyd.workloads import make_workload
+
+WorkloadLoader = Callable[[str], Workload]
+
+
+@dataclass(frozen=True, slots=True)
+class BenchSpec:
+    workloads: Sequence[str]
+    policies: Sequence[str]
+    concurrency: Sequence[int]
+    gpu_blocks: Sequence[int | None]
+    host_blocks: Sequence[int | None]
+    profile: str
+    seed: int = 0
+    snapshot_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in self.policies:
+            if name not in POLICIES:
+                raise ValueError(
+                    f"unknown policy {name!r}; valid policies: {', '.join(sorted(POLICIES))}"
+                )
+
+    def points(self) -> list[tuple[str, int, int | None, int | None]]:
+        return list(
+            itertools.product(self.workloads, self.concurrency, self.gpu_blocks, self.host_blocks)
+        )
+
+
+def default_loader(seed: int) -> WorkloadLoader:
+    def load(name: str) -> Workload:
+        return make_workload(name, seed=seed)
+
+    return load
+
+
+def run_bench(
+    spec: BenchSpec,
+    *,
+    load: WorkloadLoader | None = None,
+    console: Console | None = None,
+    show_progress: bool = True,
+) -> list[Report]:
+    """Run every point of ``spec``; returns one report per (point, policy), belady included."""
+    load = load or default_loader(spec.seed)
+    loaded = {name: load(name) for name in spec.workloads}
+    policies = list(dict.fromkeys(["belady", *spec.policies]))
+    runs = [(point, policy) for point in spec.points() for policy in policies]
+    total_calls = sum(loaded[point[0]].calls for point, _ in runs)
+    reports: list[Report] = []
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("calls"),
+        TimeElapsedColumn(),
+        console=console or Console(stderr=True),
+        disable=not show_progress,
+        transient=True,
+    )
+    with progress:
+        task = progress.add_task("replaying", total=total_calls)
+        oracle: dict[tuple[str, int, int | None, int | None], Report] = {}
+        for (name, concurrency, gpu_blocks, host_blocks), policy in runs:
+            progress.update(task, description=f"{name} C={concurrency} {policy}")
+            config = SimConfig(
+                concurrency=concurrency,
+                gpu_blocks=gpu_blocks,
+                host_blocks=host_blocks,
+                profile=spec.profile,
+                snapshot_interval_s=spec.snapshot_interval_s,
+            )
+            report = simulate(
+                loaded[name], policy, config, progress=lambda n: progress.advance(task, n)
+            )
+            key = (name, concurrency, gpu_blocks, host_blocks)
+            if policy == "belady":
+                oracle[key] = report
+            best = oracle[key].hit_rate
+            report.belady_fraction = report.hit_rate / best if best > 0 else None
+            reports.append(report)
+    return reports
+
+
+def _gb(nbytes: int) -> str:
+    return f"{nbytes / 1e9:,.1f}"
+
+
+def render_table(reports: Sequence[Report], title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for column in (
+        "workload",
+        "C",
+        "GPU blk",
+        "host blk",
+        "policy",
+        "hit GPU",
+        "hit host",
+        "hit all",
+        "of belady",
+        "recomputed Mtok",
+        "host W GB",
+        "host R GB",
+        "makespan s",
+        "p50 s",
+        "p99 s",
+    ):
+        table.add_column(column, justify="left" if column in ("workload", "policy") else "right")
+    for r in reports:
+        table.add_row(
+            r.workload,
+            str(r.concurrency),
+            f"{r.gpu_blocks:,}",
+            f"{r.host_blocks:,}",
+            r.policy,
+            f"{r.gpu_hit_rate:.3f}",
+            f"{r.host_hit_rate:.3f}",
+            f"{r.hit_rate:.3f}",
+            "-" if r.belady_fraction is None else f"{r.belady_fraction:.3f}",
+            f"{r.recomputed_tokens / 1e6:,.2f}",
+            _gb(r.host_write_bytes),
+            _gb(r.host_read_bytes),
+            f"{r.makespan_s:,.1f}",
+            f"{r.latency_p50_s:.2f}",
+            f"{r.latency_p99_s:.2f}",
+        )
+    return table
+
+
+def reproduce_command(argv: Sequence[str]) -> str:
+    return "policyd " + shlex.join(argv)
+
+
+def bench_json(reports: Sequence[Report], spec: BenchSpec, command: str) -> dict[str, Any]:
+    return {
+        "command": command,
+        "measured_at_unix_s": time.time(),
+        "spec": {
+            "workloads": list(spec.workloads),
+            "policies": list(spec.policies),
+            "concurrency": list(spec.concurrency),
+            "gpu_blocks": list(spec.gpu_blocks),
+            "host_blocks": list(spec.host_blocks),
+            "profile": spec.profile,
+            "seed": spec.seed,
+        },
+        "results": [r.to_json() for r in reports],
+    }
+
+
+def write_json(payload: dict[str, Any], path: str) -> None:
+    text = json.dumps(payload, indent=2)
+    if path == "-":
+        sys.stdout.write(text + "\n")
+    else:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text + "\n")

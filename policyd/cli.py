@@ -1,0 +1,146 @@
+"""The ``policyd`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from rich.console import Console
+
+from policyd.bench import (
+    BenchSpec,
+    bench_json,
+    render_table,
+    reproduce_command,
+    run_bench,
+    write_json,
+)
+from policyd.policies import POLICIES
+from policyd.sim.profiles import PROFILES
+from policyd.throughput import measure_throughput, render_throughput
+from policyd.workloads import WORKLOADS
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    return values
+
+
+def _names(valid: Sequence[str], what: str) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        names = [v.strip() for v in text.split(",") if v.strip()]
+        unknown = [n for n in names if n not in valid]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {what} {', '.join(unknown) or text!r}; valid: {', '.join(sorted(valid))}"
+            )
+        return names
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="policyd", description="AgentKV policy daemon and simulator"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    bench = sub.add_parser(
+        "bench",
+        help="replay workloads through the two-tier cache model under each policy",
+        description="Policies x workloads x concurrency x capacities; belady is always run "
+        "alongside so every policy is reported as a fraction of the oracle.",
+    )
+    bench.add_argument(
+        "--workload",
+        type=_names(list(WORKLOADS), "workload"),
+        default=["synthetic"],
+        help="comma-separated workload names (default: synthetic)",
+    )
+    bench.add_argument(
+        "--policies",
+        type=_names(list(POLICIES), "policy"),
+        default=["lru", "belady"],
+        help=f"comma-separated, from: {', '.join(sorted(POLICIES))}",
+    )
+    bench.add_argument("--concurrency", type=_ints, default=[8, 32], help="e.g. 8,32,128")
+    bench.add_argument("--gpu-blocks", type=_ints, default=[4096], help="GPU tier sizes, blocks")
+    bench.add_argument("--host-blocks", type=_ints, default=[0, 16384], help="host tier sizes")
+    bench.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default="h200-llama3.1-8b",
+        help="hardware profile of the cost model",
+    )
+    bench.add_argument("--seed", type=int, default=0, help="workload generator seed")
+    bench.add_argument(
+        "--json", metavar="PATH", help="also write the results as JSON ('-' = stdout)"
+    )
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    tput = sub.add_parser(
+        "throughput",
+        help="simulator throughput in block references per second (lru and belady)",
+    )
+    tput.add_argument("--refs", type=int, default=1_000_000, help="trace size in block references")
+    tput.add_argument("--concurrency", type=int, default=16)
+    tput.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _console() -> Console:
+    """Tables are wide: never fold them to 80 columns when piped to a file or CI log."""
+    console = Console()
+    return console if console.is_terminal else Console(width=200)
+
+
+def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    spec = BenchSpec(
+        workloads=args.workload,
+        policies=args.policies,
+        concurrency=args.concurrency,
+        gpu_blocks=args.gpu_blocks,
+        host_blocks=args.host_blocks,
+        profile=args.profile,
+        seed=args.seed,
+    )
+    console = _console()
+    command = reproduce_command(argv)
+    reports = run_bench(spec, show_progress=not args.no_progress)
+    if args.json != "-":
+        console.print(render_table(reports, f"policyd bench - profile {spec.profile}"))
+        console.print(f"reproduce: {command}")
+    if args.json:
+        write_json(bench_json(reports, spec, command), args.json)
+    return 0
+
+
+def _throughput(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    console = _console()
+    result = measure_throughput(refs=args.refs, concurrency=args.concurrency, seed=args.seed)
+    console.print(render_throughput(result))
+    console.print(f"reproduce: {reproduce_command(argv)}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    commands = {"bench": _bench, "throughput": _throughput}
+    try:
+        return commands[args.command](args, argv)
+    except ValueError as exc:
+        print(f"policyd {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
