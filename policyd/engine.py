@@ -13,7 +13,7 @@ holds it, and finished workflows are forgotten once none of their blocks remain.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import count, repeat
@@ -47,7 +47,8 @@ class WorkflowState:
     workflow_id: str
     workflow_type: str
     started_ts: float
-    last_ts: float
+    last_ts: float  # the source's timestamp of the last event
+    last_seen_s: float = 0.0  # the Engine's clock when the last event arrived (idle inference)
     agents: list[str] = field(default_factory=list)  # agent of each call, in order
     running: int = 0
     done: bool = False
@@ -86,6 +87,7 @@ class EngineState:
         self.resident: dict[Tier, set[int]] = {tier: set() for tier in TIERS}
         self.owners: dict[int, set[str]] = {}  # block -> workflows that referenced it
         self.recency: dict[int, int] = {}  # block -> sequence of its last reference
+        self.running_refs: Counter[int] = Counter()  # block -> running requests using it
         self.counters = Counters()
         self.last_seq: dict[str, int] = {}
         self._ticks = count(1)
@@ -118,7 +120,12 @@ class EngineState:
     def forget_blocks(self, blocks: Iterable[int]) -> None:
         """Drop bookkeeping of blocks that no tier holds any more (set operations and ``map``
         keep this off the per-block interpreter path: it runs for every eviction)."""
-        gone = set(blocks).difference(self.resident["gpu"], self.resident["host"])
+        running = self.running_refs
+        gone = {
+            b
+            for b in set(blocks).difference(self.resident["gpu"], self.resident["host"])
+            if b not in running
+        }
         if not gone:
             return
         deque(map(self.recency.pop, gone, repeat(None)), maxlen=0)
@@ -154,7 +161,7 @@ class Engine:
         self.idle_timeout_s = idle_timeout_s
         self.state = EngineState()
         self._snapshot_version = 0
-        self._handlers: dict[type, Callable[[EngineState, Event], None]] = {
+        self._handlers: dict[type, Callable[[EngineState, Event, float], None]] = {
             RequestStarted: _on_request_started,
             PrefixHit: _on_prefix_hit,
             BlocksStored: _on_blocks_stored,
@@ -178,7 +185,7 @@ class Engine:
             self.apply_event(event)
 
     def apply_event(self, event: Event) -> None:
-        self._handlers[type(event)](self.state, event)
+        self._handlers[type(event)](self.state, event, self.clock())
         self.state.counters.events += 1
         self.policy.observe(event, self.state)
 
@@ -188,7 +195,7 @@ class Engine:
         inferred = [
             WorkflowFinished(ts=now, workflow_id=w.workflow_id, reason="idle")
             for w in self.state.workflows.values()
-            if not w.done and w.running == 0 and now - w.last_ts >= self.idle_timeout_s
+            if not w.done and w.running == 0 and now - w.last_seen_s >= self.idle_timeout_s
         ]
         for event in inferred:
             self.state.counters.idle_finishes += 1
@@ -219,7 +226,7 @@ class Engine:
 # ---- event handlers (pure functions of state and event) ----------------------------------------
 
 
-def _on_request_started(state: EngineState, ev: Event) -> None:
+def _on_request_started(state: EngineState, ev: Event, now: float) -> None:
     assert isinstance(ev, RequestStarted)
     wf = state.workflows.get(ev.workflow_id)
     if wf is None:
@@ -232,8 +239,10 @@ def _on_request_started(state: EngineState, ev: Event) -> None:
         state.counters.workflows_started += 1
     wf.agents.append(ev.agent)
     wf.last_ts = ev.ts
+    wf.last_seen_s = now
     wf.running += 1
     blocks = ev.block_hashes
+    state.running_refs.update(dict.fromkeys(blocks).keys())
     new = set(blocks).difference(wf.blocks)
     if new:
         wf.blocks.update(new)
@@ -249,7 +258,7 @@ def _on_request_started(state: EngineState, ev: Event) -> None:
     )
 
 
-def _on_prefix_hit(state: EngineState, ev: Event) -> None:
+def _on_prefix_hit(state: EngineState, ev: Event, now: float) -> None:
     assert isinstance(ev, PrefixHit)
     req = state.requests.get(ev.request_id)
     if req is None:
@@ -258,30 +267,30 @@ def _on_prefix_hit(state: EngineState, ev: Event) -> None:
     req.hit = ev
 
 
-def _on_blocks_stored(state: EngineState, ev: Event) -> None:
+def _on_blocks_stored(state: EngineState, ev: Event, now: float) -> None:
     assert isinstance(ev, BlocksStored)
     state.resident[ev.tier].update(ev.block_hashes)
 
 
-def _on_blocks_removed(state: EngineState, ev: Event) -> None:
+def _on_blocks_removed(state: EngineState, ev: Event, now: float) -> None:
     assert isinstance(ev, BlocksRemoved)
     state.resident[ev.tier].difference_update(ev.block_hashes)
     state.forget_blocks(ev.block_hashes)
 
 
-def _on_blocks_loaded(state: EngineState, ev: Event) -> None:
+def _on_blocks_loaded(state: EngineState, ev: Event, now: float) -> None:
     assert isinstance(ev, BlocksLoaded)
     state.resident["gpu"].update(ev.block_hashes)
 
 
-def _on_all_cleared(state: EngineState, ev: Event) -> None:
+def _on_all_cleared(state: EngineState, ev: Event, now: float) -> None:
     assert isinstance(ev, AllBlocksCleared)
     dropped = list(state.resident[ev.tier])
     state.resident[ev.tier].clear()
     state.forget_blocks(dropped)
 
 
-def _on_request_finished(state: EngineState, ev: Event) -> None:
+def _on_request_finished(state: EngineState, ev: Event, now: float) -> None:
     assert isinstance(ev, RequestFinished)
     req = state.requests.pop(ev.request_id, None)
     if req is None:
@@ -291,6 +300,11 @@ def _on_request_finished(state: EngineState, ev: Event) -> None:
     if wf is not None:
         wf.running = max(0, wf.running - 1)
         wf.last_ts = ev.ts
+        wf.last_seen_s = now
+    running = state.running_refs
+    left = {b: running[b] - 1 for b in dict.fromkeys(req.block_hashes)}
+    dict.update(running, left)  # set the counts (Counter.update would add them)
+    deque(map(running.pop, [b for b, n in left.items() if n == 0]), maxlen=0)
     # blocks the request used that no tier kept (bypassed, or never stored) are forgotten now
     resident = state.resident
     gone = set(req.block_hashes).difference(resident["gpu"], resident["host"])
@@ -298,7 +312,7 @@ def _on_request_finished(state: EngineState, ev: Event) -> None:
         state.forget_blocks(gone)
 
 
-def _on_workflow_finished(state: EngineState, ev: Event) -> None:
+def _on_workflow_finished(state: EngineState, ev: Event, now: float) -> None:
     assert isinstance(ev, WorkflowFinished)
     wf = state.workflows.get(ev.workflow_id)
     if wf is None or wf.done:

@@ -150,7 +150,7 @@ Decision = Evict | Admit | Prefetch
 WriteFilterMode = Literal["none", "fixed", "conditioned"]
 
 
-class ScoredBlocks(msgspec.Struct, frozen=True, array_like=True):
+class ScoredBlocks(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """A group of blocks sharing one score (lower = evict first)."""
 
     score: float
@@ -193,7 +193,7 @@ class CodecError(ValueError):
     """A frame could not be decoded: not msgpack, wrong protocol version, wrong types, too large."""
 
 
-class _Header(msgspec.Struct, array_like=True):
+class _Header(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     version: int
     payload: msgspec.Raw
 
@@ -227,7 +227,7 @@ class Codec(Generic[T]):
             )
         try:
             header = self._header.decode(frame)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:  # deep nesting: RecursionError
             raise CodecError(f"not a frame [version, payload]: {exc}") from exc
         if header.version != PROTOCOL_VERSION:
             raise CodecError(
@@ -236,7 +236,7 @@ class Codec(Generic[T]):
             )
         try:
             return self._payload.decode(header.payload)
-        except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+        except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is a DecodeError
             raise CodecError(f"invalid {self.kind.__name__}: {exc}") from exc
 
 

@@ -1,7 +1,9 @@
 """What a workload is: streams of agent calls, each call a prompt of chained-hash KV blocks.
 
 A *stream* is one closed loop of calls: a workflow (planner -> coder -> tester ...) or one agent's
-conversation. Call k+1 of a stream is issued ``gap_s`` seconds (tool time) after call k finished.
+conversation. Call k+1 of a stream is issued ``gap_s`` seconds (tool time) after call k finished;
+calls marked ``parallel`` are issued together with the call before them (a fan-out step) and the
+next step waits for all of them.
 The simulator keeps ``concurrency`` streams active and starts the next one when one ends.
 
 Blocks are 16-token units identified by a chained hash, exactly as vLLM's prefix cache does:
@@ -52,6 +54,7 @@ class Call:
     output_block_hashes: tuple[int, ...] = ()
     hints: dict[str, HintValue] = field(default_factory=dict)
     last: bool = False
+    parallel: bool = False  # issued together with the previous call (a fan-out step)
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < len(self.block_hashes) * BLOCK_SIZE_TOKENS:

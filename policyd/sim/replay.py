@@ -126,6 +126,8 @@ class Simulator:
         self._timers: list[tuple[float, int, int, object]] = []
         self._timer_seq = count()
         self._waiting: deque[_Req] = deque()
+        self._outstanding: dict[int, int] = {}  # stream -> calls of its current step running
+        self._next_step: dict[int, int] = {}  # stream -> index of its next step's first call
         self._running = 0
         self._compute_free_s = 0.0
         self._h2d_free_s = 0.0
@@ -225,10 +227,15 @@ class Simulator:
                 done += 1
                 if progress is not None and done % 256 == 0:
                     progress(256)
-                stream = self.workload.streams[req.stream]
-                if req.index + 1 < len(stream):
-                    self._arrive(req.stream, stream, req.index + 1)
+                self._outstanding[req.stream] -= 1
+                if self._outstanding[req.stream] > 0:
+                    pass  # other calls of this fan-out step still run
+                elif (nxt := self._next_step[req.stream]) < len(
+                    stream := self.workload.streams[req.stream]
+                ):
+                    self._arrive(req.stream, stream, nxt)
                 else:
+                    del self._outstanding[req.stream], self._next_step[req.stream]
                     self._events.append(
                         WorkflowFinished(ts=self.now, workflow_id=req.call.workflow_id)
                     )
@@ -256,7 +263,17 @@ class Simulator:
     # -- requests ----------------------------------------------------------------------------
 
     def _arrive(self, stream_index: int, stream: Stream, index: int) -> None:
-        call = stream[index]
+        """Issue the step starting at call ``index``: that call and the calls after it marked
+        ``parallel`` (a fan-out); the stream's next step waits for all of them."""
+        end = index + 1
+        while end < len(stream) and stream[end].parallel:
+            end += 1
+        self._outstanding[stream_index] = end - index
+        self._next_step[stream_index] = end
+        for i in range(index, end):
+            self._issue(stream_index, stream[i], i)
+
+    def _issue(self, stream_index: int, call: Call, index: int) -> None:
         total_tokens = call.prompt_tokens + call.output_tokens
         physical = -(-total_tokens // BLOCK_SIZE_TOKENS)
         n_out = total_tokens // BLOCK_SIZE_TOKENS - len(call.block_hashes)
@@ -339,13 +356,13 @@ class Simulator:
         if load_bytes:
             load_start = max(now, self._h2d_free_s)
             load_end = self._h2d_free_s = load_start + load_bytes / profile.h2d_bytes_per_s
-            events.append(
-                BlocksLoaded(
-                    ts=now, block_hashes=blocks[gpu_hit : gpu_hit + host_hit], request_id=req.rid
-                )
-            )
         # vLLM caches a request's blocks when it is scheduled: later admissions hit them
         self._cache_gpu(req, blocks[gpu_hit:])
+        if host_hit:  # what the GPU now holds of the loaded run (all of it in shared space)
+            refs = gpu.refs
+            loaded = tuple(b for b in blocks[gpu_hit : gpu_hit + host_hit] if b in refs)
+            if loaded:
+                events.append(BlocksLoaded(ts=now, block_hashes=loaded, request_id=req.rid))
         computed_tokens = max(1, call.prompt_tokens - (gpu_hit + host_hit) * BLOCK_SIZE_TOKENS)
         prefill_start = max(now, self._compute_free_s, load_end)
         req.prefill_end_s = self._compute_free_s = (
