@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from matplotlib.figure import Figure
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -23,8 +24,9 @@ from rich.table import Table
 from policyd.policies import POLICIES
 from policyd.sim.replay import SimConfig, simulate
 from policyd.sim.report import Report
+from policyd.traces import load_trace
 from policyd.workload import Workload
-from policyd.workloads import make_workload
+from policyd.workloads import WORKLOADS, make_workload
 
 WorkloadLoader = Callable[[str], Workload]
 
@@ -54,8 +56,12 @@ class BenchSpec:
 
 
 def default_loader(seed: int) -> WorkloadLoader:
+    """A generator by name (seeded), else a real trace by path (``policyd.traces``)."""
+
     def load(name: str) -> Workload:
-        return make_workload(name, seed=seed)
+        if name in WORKLOADS:
+            return make_workload(name, seed=seed)
+        return load_trace(name)
 
     return load
 
@@ -181,3 +187,32 @@ def write_json(payload: dict[str, Any], path: str) -> None:
     else:
         with open(path, "w", encoding="utf-8") as f:
             f.write(text + "\n")
+
+
+def plot_sweep(reports: Sequence[Report], path: str, command: str) -> None:
+    """Hit rate and modelled makespan against concurrency, one column per workload."""
+    workloads = list(dict.fromkeys(r.workload for r in reports))
+    fig = Figure(figsize=(4.2 * len(workloads), 6.4))
+    axes = fig.subplots(2, len(workloads), squeeze=False, sharex="col")
+    for col, name in enumerate(workloads):
+        rows = [r for r in reports if r.workload == name]
+        hit_ax, time_ax = axes[0][col], axes[1][col]
+        for policy in dict.fromkeys(r.policy for r in rows):
+            series = sorted((r.concurrency, r) for r in rows if r.policy == policy)
+            xs = [c for c, _ in series]
+            style = "--" if policy == "belady" else "-"
+            hit_ax.plot(xs, [r.hit_rate for _, r in series], style, marker="o", label=policy)
+            time_ax.plot(xs, [r.makespan_s for _, r in series], style, marker="o", label=policy)
+        first = rows[0]
+        hit_ax.set_title(f"{name}\nGPU {first.gpu_blocks:,} blk, host {first.host_blocks:,} blk")
+        hit_ax.set_ylim(0, 1)
+        hit_ax.set_ylabel("prompt blocks hit (GPU + host)")
+        time_ax.set_ylabel("modelled makespan (s)")
+        time_ax.set_xlabel("concurrent workflows")
+        for ax in (hit_ax, time_ax):
+            ax.set_xscale("log", base=2)
+            ax.grid(alpha=0.3)
+        hit_ax.legend(fontsize=8)
+    fig.suptitle(f"concurrency sweep - {command}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

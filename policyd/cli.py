@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from rich.console import Console
 
 from policyd.bench import (
     BenchSpec,
     bench_json,
+    plot_sweep,
     render_table,
     reproduce_command,
     run_bench,
@@ -19,7 +21,8 @@ from policyd.bench import (
 from policyd.policies import POLICIES
 from policyd.sim.profiles import PROFILES
 from policyd.throughput import measure_throughput, render_throughput
-from policyd.workloads import WORKLOADS
+from policyd.traces import READERS, load_trace, render_stats, trace_stats
+from policyd.workloads import WORKLOADS, make_workload
 
 
 def _ints(text: str) -> list[int]:
@@ -47,6 +50,17 @@ def _names(valid: Sequence[str], what: str) -> Callable[[str], list[str]]:
     return parse
 
 
+def _workloads(text: str) -> list[str]:
+    items = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in items if v not in WORKLOADS and not Path(v).exists()]
+    if bad or not items:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(bad) or repr(text)}: neither a workload generator "
+            f"({', '.join(sorted(WORKLOADS))}) nor an existing trace path"
+        )
+    return items
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="policyd", description="AgentKV policy daemon and simulator"
@@ -61,9 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--workload",
-        type=_names(list(WORKLOADS), "workload"),
+        type=_workloads,
         default=["synthetic"],
-        help="comma-separated workload names (default: synthetic)",
+        help=f"comma-separated generator names ({', '.join(sorted(WORKLOADS))}) or trace paths "
+        "(mini-swe-agent tar/dir, Who&When json/dir, Mooncake jsonl, AgentKV calls jsonl)",
     )
     bench.add_argument(
         "--policies",
@@ -71,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=["lru", "belady"],
         help=f"comma-separated, from: {', '.join(sorted(POLICIES))}",
     )
-    bench.add_argument("--concurrency", type=_ints, default=[8, 32], help="e.g. 8,32,128")
+    bench.add_argument(
+        "--concurrency", type=_ints, default=None, help="default 8,32; e.g. 8,32,128"
+    )
     bench.add_argument("--gpu-blocks", type=_ints, default=[4096], help="GPU tier sizes, blocks")
     bench.add_argument("--host-blocks", type=_ints, default=[0, 16384], help="host tier sizes")
     bench.add_argument(
@@ -85,6 +102,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", metavar="PATH", help="also write the results as JSON ('-' = stdout)"
     )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument(
+        "--sweep",
+        choices=["concurrency"],
+        help="sweep concurrency (default 1,2,4,...,128 unless --concurrency is given) and plot it",
+    )
+    bench.add_argument(
+        "--plot", metavar="PNG", help="where the sweep's plot goes (default docs/sweep-*.png)"
+    )
+
+    trace = sub.add_parser("trace", help="inspect agent traces")
+    trace_sub = trace.add_subparsers(dest="trace_command", required=True)
+    stats = trace_sub.add_parser(
+        "stats", help="a trace's shape: calls, agents, prompts, reuse, gaps"
+    )
+    stats.add_argument("path", help="trace file or directory, or a generator name")
+    stats.add_argument("--format", choices=sorted(READERS), help="skip format detection")
+    stats.add_argument("--seed", type=int, default=0, help="seed, for a generator name")
 
     tput = sub.add_parser(
         "throughput",
@@ -102,11 +136,15 @@ def _console() -> Console:
     return console if console.is_terminal else Console(width=200)
 
 
+SWEEP_CONCURRENCY = [1, 2, 4, 8, 16, 32, 64, 128]
+
+
 def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    concurrency = args.concurrency or (SWEEP_CONCURRENCY if args.sweep else [8, 32])
     spec = BenchSpec(
         workloads=args.workload,
         policies=args.policies,
-        concurrency=args.concurrency,
+        concurrency=concurrency,
         gpu_blocks=args.gpu_blocks,
         host_blocks=args.host_blocks,
         profile=args.profile,
@@ -120,6 +158,11 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         console.print(f"reproduce: {command}")
     if args.json:
         write_json(bench_json(reports, spec, command), args.json)
+    if args.sweep:
+        path = args.plot or f"docs/sweep-concurrency-{'-'.join(spec.workloads)}.png"
+        plot_sweep(reports, path, command)
+        if args.json != "-":
+            console.print(f"plot: {path}")
     return 0
 
 
@@ -131,10 +174,19 @@ def _throughput(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
+def _trace(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if args.path in WORKLOADS:
+        workload = make_workload(args.path, seed=args.seed)
+    else:
+        workload = load_trace(args.path, args.format)
+    _console().print(render_stats(trace_stats(workload)))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    commands = {"bench": _bench, "throughput": _throughput}
+    commands = {"bench": _bench, "throughput": _throughput, "trace": _trace}
     try:
         return commands[args.command](args, argv)
     except ValueError as exc:

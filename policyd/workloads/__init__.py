@@ -6,9 +6,15 @@ from collections.abc import Callable
 from typing import Any
 
 from policyd.workload import Workload
+from policyd.workloads.pbkv import code_writing, fact_checking, financial
+from policyd.workloads.pool import coding_pool
 from policyd.workloads.synthetic import synthetic_agents
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
+    "fact-checking": fact_checking,
+    "code-writing": code_writing,
+    "financial": financial,
+    "coding-pool": coding_pool,
     "synthetic": synthetic_agents,
 }
 
