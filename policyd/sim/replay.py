@@ -320,11 +320,6 @@ class Simulator:
         # vLLM's offloading lookup is not capped at N-1 tokens: it may load the whole prompt
         # and then recompute one token (offloading/scheduler.py, sched/scheduler.py in 0.32)
         host_hit = host.prefix_hits(blocks, gpu_hit, len(blocks)) if len(host) else 0
-        gpu.acquire(blocks[:gpu_hit])
-        req.held.extend(blocks[:gpu_hit])
-        evicted = gpu.allocate(new_blocks)
-        if self.config.running_space == "shared":
-            req.scratch = new_blocks
         req.gpu_hit, req.host_hit = gpu_hit, host_hit
         events = self._events
         events.append(
@@ -339,16 +334,23 @@ class Simulator:
                 hints=call.hints,
             )
         )
-        recomputed = len(blocks) - gpu_hit - host_hit
         events.append(
             PrefixHit(
                 ts=now,
                 request_id=req.rid,
                 gpu_blocks=gpu_hit,
                 host_blocks=host_hit,
-                recomputed_blocks=recomputed,
+                recomputed_blocks=len(blocks) - gpu_hit - host_hit,
             )
         )
+        # the policy sees the request before any decision about its blocks (the connector
+        # sends the start first, too)
+        self._flush()
+        gpu.acquire(blocks[:gpu_hit])
+        req.held.extend(blocks[:gpu_hit])
+        evicted = gpu.allocate(new_blocks)
+        if self.config.running_space == "shared":
+            req.scratch = new_blocks
         if evicted:
             events.append(BlocksRemoved(ts=now, tier="gpu", block_hashes=tuple(evicted)))
         load_bytes = host_hit * profile.kv_bytes_per_block
