@@ -7,6 +7,7 @@ its table and stored in its JSON.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import shlex
@@ -76,9 +77,10 @@ def run_bench(
     """Run every point of ``spec``; returns one report per (point, policy), belady included."""
     load = load or default_loader(spec.seed)
     loaded = {name: load(name) for name in spec.workloads}
-    policies = list(dict.fromkeys(["belady", *spec.policies]))
-    runs = [(point, policy) for point in spec.points() for policy in policies]
-    total_calls = sum(loaded[point[0]].calls for point, _ in runs)
+    # lru first (its order of calls seeds belady's oracle), then belady, then the rest
+    policies = list(dict.fromkeys([p for p in ("lru", "belady") if p in spec.policies]))
+    policies = list(dict.fromkeys([*policies, "belady", *spec.policies]))
+    total_calls = sum(loaded[point[0]].calls for point in spec.points()) * len(policies)
     reports: list[Report] = []
     progress = Progress(
         TextColumn("[bold]{task.description}"),
@@ -92,9 +94,7 @@ def run_bench(
     )
     with progress:
         task = progress.add_task("replaying", total=total_calls)
-        oracle: dict[tuple[str, int, int | None, int | None], Report] = {}
-        for (name, concurrency, gpu_blocks, host_blocks), policy in runs:
-            progress.update(task, description=f"{name} C={concurrency} {policy}")
+        for name, concurrency, gpu_blocks, host_blocks in spec.points():
             config = SimConfig(
                 concurrency=concurrency,
                 gpu_blocks=gpu_blocks,
@@ -102,15 +102,23 @@ def run_bench(
                 profile=spec.profile,
                 snapshot_interval_s=spec.snapshot_interval_s,
             )
-            report = simulate(
-                loaded[name], policy, config, progress=lambda n: progress.advance(task, n)
-            )
-            key = (name, concurrency, gpu_blocks, host_blocks)
-            if policy == "belady":
-                oracle[key] = report
-            best = oracle[key].hit_rate
-            report.belady_fraction = report.hit_rate / best if best > 0 else None
-            reports.append(report)
+            point: dict[str, Report] = {}
+            for policy in policies:
+                progress.update(task, description=f"{name} C={concurrency} {policy}")
+                point[policy] = simulate(
+                    loaded[name],
+                    policy,
+                    dataclasses.replace(config, record_requests=policy == "lru"),
+                    progress=lambda n: progress.advance(task, n),
+                    lru_report=point.get("lru"),
+                )
+            best = point["belady"].hit_rate
+            for report in point.values():
+                report.records.clear()
+                report.belady_fraction = report.hit_rate / best if best > 0 else None
+            reports.extend(point[p] for p in spec.policies if p in point)
+            if "belady" not in spec.policies:
+                reports.append(point["belady"])
     return reports
 
 
@@ -202,12 +210,19 @@ def plot_sweep(reports: Sequence[Report], path: str, command: str) -> None:
             xs = [c for c, _ in series]
             style = "--" if policy == "belady" else "-"
             hit_ax.plot(xs, [r.hit_rate for _, r in series], style, marker="o", label=policy)
-            time_ax.plot(xs, [r.makespan_s for _, r in series], style, marker="o", label=policy)
+            oracle = {r.concurrency: r.makespan_s for r in rows if r.policy == "belady"}
+            time_ax.plot(
+                xs,
+                [r.makespan_s / oracle[c] if oracle.get(c) else float("nan") for c, r in series],
+                style,
+                marker="o",
+                label=policy,
+            )
         first = rows[0]
         hit_ax.set_title(f"{name}\nGPU {first.gpu_blocks:,} blk, host {first.host_blocks:,} blk")
         hit_ax.set_ylim(0, 1)
         hit_ax.set_ylabel("prompt blocks hit (GPU + host)")
-        time_ax.set_ylabel("modelled makespan (s)")
+        time_ax.set_ylabel("modelled makespan / belady's")
         time_ax.set_xlabel("concurrent workflows")
         for ax in (hit_ax, time_ax):
             ax.set_xscale("log", base=2)

@@ -53,6 +53,8 @@ class WorkflowState:
     running: int = 0
     done: bool = False
     blocks: set[int] = field(default_factory=set)
+    # each agent's latest prompt in this workflow: what its next call will start with
+    agent_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -88,6 +90,10 @@ class EngineState:
         self.owners: dict[int, set[str]] = {}  # block -> workflows that referenced it
         self.recency: dict[int, int] = {}  # block -> sequence of its last reference
         self.running_refs: Counter[int] = Counter()  # block -> running requests using it
+        # the blocks every prompt of an agent starts with, across workflows (its system prompt
+        # as the cache sees it), and the workflow that prompt came from
+        self.agent_prefix: dict[str, tuple[int, ...]] = {}
+        self._agent_prefix_source: dict[str, str] = {}
         self.counters = Counters()
         self.last_seq: dict[str, int] = {}
         self._ticks = count(1)
@@ -109,6 +115,26 @@ class EngineState:
         return [b for b in self.resident[tier] if self.is_retired(b)]
 
     # -- updates -------------------------------------------------------------------------------
+
+    def learn_agent_prefix(self, agent: str, workflow_id: str, blocks: tuple[int, ...]) -> None:
+        """Shrink the agent's shared prefix to what this prompt has in common with it (prompts
+        of the same workflow are not compared: they share the workflow's context too)."""
+        prefix = self.agent_prefix.get(agent)
+        if prefix is None:
+            self.agent_prefix[agent] = blocks
+            self._agent_prefix_source[agent] = workflow_id
+            return
+        if self._agent_prefix_source[agent] == workflow_id or blocks[: len(prefix)] == prefix:
+            return
+        lo, hi = 0, min(len(prefix), len(blocks))  # binary search on slice equality (C speed)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if blocks[:mid] == prefix[:mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        self.agent_prefix[agent] = prefix[:lo]
+        self._agent_prefix_source[agent] = ""
 
     def touch(self, blocks: Sequence[int]) -> None:
         """Record a reference. Blocks get sequence numbers tail first, as vLLM frees them, so
@@ -253,6 +279,8 @@ def _on_request_started(state: EngineState, ev: Event, now: float) -> None:
             owners[block].add(wid)
         owners.update({block: {wid} for block in new.difference(shared)})
     state.touch(blocks)
+    wf.agent_blocks[ev.agent] = blocks
+    state.learn_agent_prefix(ev.agent, ev.workflow_id, blocks)
     state.requests[ev.request_id] = RequestState(
         ev.request_id, ev.workflow_id, ev.agent, blocks, ev.prompt_tokens, ev.ts, dict(ev.hints)
     )

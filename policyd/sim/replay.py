@@ -503,17 +503,22 @@ def simulate(
     *,
     progress: Progress | None = None,
     belady_passes: int = 2,
+    lru_report: Report | None = None,
 ) -> Report:
     """Replay ``workload`` under the named policy.
 
     ``belady`` needs the order calls reach the cache, which in a closed loop depends on the
-    policy: pass 1 takes the order of an LRU replay, each further pass the order of the previous
+    policy: pass 1 takes the order of an LRU replay (``lru_report``, recorded with
+    ``record_requests``, when the caller has one), each further pass the order of the previous
     Belady replay (with concurrency 1 the order is fixed and one pass is exact).
     """
     if policy_name != "belady":
         return Simulator(workload, make_policy(policy_name), config).run(progress)
     recording = dataclasses.replace(config, record_requests=True)
-    report = Simulator(workload, make_policy("lru"), recording).run()
+    if lru_report is not None and len(lru_report.records) == lru_report.requests:
+        report = lru_report
+    else:
+        report = Simulator(workload, make_policy("lru"), recording).run()
     passes = 1 if config.concurrency == 1 else max(1, belady_passes)
     for i in range(passes):
         future = FutureIndex(_order_of(report, workload))

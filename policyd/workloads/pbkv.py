@@ -7,7 +7,8 @@
   then (debugger -> coder -> tester) x r retry rounds, r drawn from a distribution that grows with
   the task's difficulty and size; then a reviewer.
 * ``financial`` (static DAG; FinanceBench questions run by a CrewAI crew): planner, three
-  statement analysts in parallel (fan-out), then ratio analyst, risk analyst, writer.
+  statement analysts in parallel (fan-out) each looping over filing lookups, then ratio analyst
+  (two iterations), risk analyst, writer.
 
 What a real client would send travels as ``hints`` (``kv_transfer_params``): the task's features
 (hops, ambiguity, difficulty, files touched) and the position (step, hop, attempt so far). The
@@ -183,9 +184,13 @@ FA_ANALYSTS = tuple(
 FA_RATIO = AgentSpec("ratio_analyst", system_tokens=1100, output_median_tokens=300)
 FA_RISK = AgentSpec("risk_analyst", system_tokens=1100, output_median_tokens=280)
 FA_WRITER = AgentSpec("writer", system_tokens=900, output_median_tokens=450)
+FA_ANALYST_ITERATIONS = 3  # ReAct iterations of each statement analyst (tool lookups)
 
 
 def financial(*, seed: int = 0, workflows: int = 200) -> Workload:
+    """Each agent runs its task as a fixed number of ReAct iterations (CrewAI's agent loop: the
+    agent calls a tool - a filing lookup - and is called again with the observation appended),
+    so an agent reuses its own prefix within its task; the order never depends on content."""
     rng = random.Random(seed)
     streams: list[list[Call]] = []
     for w in range(workflows):
@@ -202,13 +207,22 @@ def financial(*, seed: int = 0, workflows: int = 200) -> Workload:
         plan = FA_PLANNER.output_tokens(rng)
         wp.call(FA_PLANNER, 60, plan, 0.0)
         findings = 0
+        # fan-out: the three statement analysts start together, each then loops on its own
+        outs = [analyst.output_tokens(rng) for analyst in FA_ANALYSTS]
         for i, analyst in enumerate(FA_ANALYSTS):
-            out = analyst.output_tokens(rng)
-            findings += out
-            lookup_s = lognormal(rng, 0.4, 0.5, 0.05, 5.0)
-            wp.call(analyst, plan, out, lookup_s, parallel=i > 0)
+            wp.call(analyst, plan, outs[i], 0.05, parallel=i > 0)
+        for _ in range(FA_ANALYST_ITERATIONS - 1):
+            for i, analyst in enumerate(FA_ANALYSTS):
+                observation = round(lognormal(rng, 500, 0.5, 80, 3000))
+                lookup_s = lognormal(rng, 0.4, 0.5, 0.05, 5.0)
+                outs[i] = analyst.output_tokens(rng)
+                wp.call(analyst, observation, outs[i], lookup_s, parallel=i > 0)
+        findings = sum(outs)
         ratios = FA_RATIO.output_tokens(rng)
         wp.call(FA_RATIO, findings, ratios, 0.05)
+        observation = round(lognormal(rng, 400, 0.5, 80, 3000))
+        ratios = FA_RATIO.output_tokens(rng)
+        wp.call(FA_RATIO, observation, ratios, lognormal(rng, 0.4, 0.5, 0.05, 5.0))
         risks = FA_RISK.output_tokens(rng)
         wp.call(FA_RISK, findings + ratios, risks, 0.05)
         wp.call(FA_WRITER, findings + ratios + risks, FA_WRITER.output_tokens(rng), 0.05)
