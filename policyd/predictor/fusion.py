@@ -1,0 +1,522 @@
+"""The online next-agent predictor: count models and a context model, fused, rolled forward.
+
+For one position of a workflow (the agents called so far, the last request's hints) three
+experts give a distribution over the next label (an agent, or ``END``):
+
+* ``markov`` - per workflow type, which label followed the last 1..``order`` agents, with
+  back-off to shorter contexts, the type's unigram, and what all types share
+  (``BackoffClassifier``);
+* ``copy`` - which of the agents called recently comes back (the last one again, the one before
+  it, ...), counted as ranks, so it transfers to agents seen for the first time in this workflow
+  (group chats name their experts per task); the rest of its mass goes to ``markov``'s choice
+  among the other labels;
+* ``context`` - a River logistic model over the request's hints, position, retries and the two
+  experts' opinions, scoring the few most likely candidates (``ContextModel``).
+
+They are mixed with weights learnt online per workflow type and last agent (``Mixture``).
+
+Steps 2..K roll the one-step model forward over a beam of likely continuations (``rollout``);
+hints stay those of the last real request.
+
+Learning happens as calls are observed (``observe_call``, ``observe_finished``): first the
+forecasts made earlier for this workflow are scored (``Tracker``), then every model learns the
+transition just seen. A drift towards more errors (ADWIN) decays the type's counts and resets
+its context model. Nothing reads a clock; randomness (``noise``) comes from ``seed``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict, deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from policyd.predictor.backoff import BackoffClassifier
+from policyd.predictor.context import ContextModel, Features, sigmoid, split_hints
+from policyd.predictor.forecast import END, START, Forecast, random_forecast
+from policyd.predictor.mixture import Mixture
+from policyd.predictor.position import PathFeatures, Position, counted_features
+from policyd.predictor.rollout import rollout
+from policyd.predictor.tracking import Tracker
+from policyd.types import HintValue
+
+EXPERTS = ("markov", "copy", "context")
+OTHER = "other"  # the copy expert's label for "not one of the recent agents"
+
+
+@dataclass(slots=True)
+class _Structure:
+    """What the count models say at a position: cached, since positions recur across workflows
+    (refreshed after a few learns of the type)."""
+
+    version: int  # the type's learn count when computed
+    labels: list[str]  # candidates, END last
+    markov: dict[str, float]
+    copy: dict[str, float]
+    relative: list[Features]  # per candidate: its relative features that depend on counts only
+    markov_x: dict[str, str]
+    copy_x: dict[str, str]
+
+
+@dataclass(slots=True)
+class _Node:
+    """One-step prediction at a position, with what learning needs."""
+
+    structure: _Structure
+    labels: list[str]  # the structure's candidates
+    probs: list[float]  # fused, per candidate, sums to 1
+    context: dict[str, float]  # the context expert's distribution over the candidates
+    relative: list[Features]  # per candidate, complete
+    scores: list[float]  # the context model's own P(candidate is next), before normalising
+
+
+@dataclass(slots=True)
+class _Hints:
+    """The hint part of the context model for one set of hints, computed once per forecast."""
+
+    numeric: Features
+    features: Features
+    crossed: dict[str, tuple[Features, float]] = field(default_factory=dict)  # label -> margin
+
+
+@dataclass(slots=True)
+class _Workflow:
+    position: Position
+    ts: float
+    node: _Node | None = None  # the one-step prediction at the current position
+    hints: _Hints | None = None
+    forecast: Forecast | None = None  # what was served for the current position
+    pending: deque[tuple[int, Forecast]] = field(default_factory=deque)
+
+
+class _TypeModel:
+    """What is learnt per workflow type besides the counts."""
+
+    __slots__ = ("agents", "context", "known", "learns", "mixture", "structures")
+
+    def __init__(self, context: ContextModel, mixture: Mixture) -> None:
+        self.context = context
+        self.mixture = mixture
+        self.agents: list[str] = []  # in order of first appearance (noise draws from them)
+        self.known: set[str] = set()
+        self.learns = 0
+        self.structures: dict[tuple[object, ...], _Structure] = {}
+
+
+class Predictor:
+    """P(agent at step k) and P(still running at step k), k = 1..K, for every active workflow.
+
+    Parameters
+    ----------
+    k
+        Steps forecast.
+    order
+        Longest context (last agents) of the count model.
+    max_candidates
+        Labels the fused distribution keeps per step (``END`` included).
+    beam
+        Hypothetical continuations expanded per step of the roll-out (top-1 accuracy is the same
+        with 1; a wider beam gives the later steps' runner-up agents their probability).
+    min_branch
+        A continuation less likely than this is not expanded.
+    refresh
+        A position's count-model view is recomputed after at most this many learns of its type
+        (and after every tenth of them while the type is young).
+    max_cache
+        Positions cached per type.
+    learning_rate
+        SGD step of the context model.
+    sure
+        The context model skips learning a candidate it already scores within this of the
+        truth (0 or 1): the gradient would be as small, and most steps of a structured
+        workflow are such.
+    expert_rate
+        Learning rate of the experts' mixture weights (exponentiated gradient).
+    expert_floor
+        Share of each expert's weight that is kept uniform, so an expert can come back.
+    max_count
+        A context's counts are halved when their total passes this.
+    window
+        Checks in the rolling accuracy.
+    drift_delta
+        ADWIN's confidence parameter (River's default, 0.002, needs ~360 checks to see the error
+        go from 0 to 25%; 0.05 needs ~70 and raised no false alarm on our workloads).
+    drift_decay
+        Factor applied to a type's counts when a drift towards more errors is detected.
+    noise
+        Fraction of served forecasts replaced by random ones (one uniformly drawn label per
+        step, with probability 1): an experiment knob for measuring degradation.
+    max_workflows
+        Active workflows remembered; the least recently seen is forgotten past this.
+    seed
+        Seeds the noise.
+
+    Examples
+    --------
+    >>> predictor = Predictor(k=2)
+    >>> for w in range(30):
+    ...     for ts, agent in enumerate(["planner", "coder", "tester"]):
+    ...         predictor.observe_call(f"w{w}", "code", agent, {}, float(ts))
+    ...     predictor.observe_finished(f"w{w}")
+    >>> predictor.observe_call("new", "code", "planner", {}, 0.0)
+    >>> forecast = predictor.predict("new")
+    >>> forecast.top(1), forecast.top(2)
+    ('coder', 'tester')
+    >>> predictor.predict_next_for_new("code", {}).top(1)
+    'planner'
+    """
+
+    def __init__(
+        self,
+        k: int = 3,
+        *,
+        order: int = 3,
+        max_candidates: int = 4,
+        beam: int = 2,
+        min_branch: float = 0.05,
+        refresh: int = 16,
+        max_cache: int = 20_000,
+        learning_rate: float = 0.1,
+        sure: float = 0.02,
+        expert_rate: float = 0.5,
+        expert_floor: float = 0.02,
+        max_count: float = 1000.0,
+        window: int = 500,
+        drift_delta: float = 0.05,
+        drift_decay: float = 0.1,
+        noise: float = 0.0,
+        max_workflows: int = 100_000,
+        seed: int = 0,
+    ) -> None:
+        if k < 1:
+            raise ValueError(f"k must be at least 1, got {k}")
+        if not 0.0 <= noise <= 1.0:
+            raise ValueError(f"noise must be in [0, 1], got {noise}")
+        if max_candidates < 2:
+            raise ValueError(f"max_candidates must be at least 2, got {max_candidates}")
+        self.k = k
+        self.order = order
+        self.max_candidates = max_candidates
+        self.beam = beam
+        self.min_branch = min_branch
+        self.refresh = refresh
+        self.max_cache = max_cache
+        self.learning_rate = learning_rate
+        self.sure = sure
+        self.expert_rate = expert_rate
+        self.expert_floor = expert_floor
+        self.drift_decay = drift_decay
+        self.noise = noise
+        self.max_workflows = max_workflows
+        self.seed = seed
+        self.markov = BackoffClassifier(order=order, max_count=max_count)
+        self.copy = BackoffClassifier(order=2, max_count=max_count)
+        self.tracker = Tracker(k, window=window, drift_delta=drift_delta)
+        self._rng = random.Random(seed)
+        self._types: dict[str, _TypeModel] = {}
+        self._workflows: OrderedDict[str, _Workflow] = OrderedDict()
+        self._calls = 0
+        self._finished = 0
+        self._nodes = 0
+        self._forecasts = 0
+        self._path = PathFeatures()
+
+    # -- the API -----------------------------------------------------------------------------
+
+    def observe_call(
+        self,
+        workflow_id: str,
+        workflow_type: str,
+        agent: str,
+        hints: Mapping[str, HintValue],
+        ts: float,
+    ) -> None:
+        """Workflow ``workflow_id`` called ``agent`` (its request carried ``hints``; ``ts`` is the
+        source's monotonic clock, kept as the workflow's last activity): score the earlier
+        forecasts, learn this transition, advance the workflow. A workflow's type is the one
+        named with its first call."""
+        if agent in (END, START):
+            raise ValueError(f"{agent!r} is reserved for the predictor's pseudo-agents")
+        workflow = self._workflows.get(workflow_id)
+        if workflow is None:
+            workflow = self._start(workflow_id, workflow_type, hints, ts)
+        else:
+            self._workflows.move_to_end(workflow_id)
+        self._learn(workflow, agent)
+        numeric, onehot = split_hints(hints)
+        position = workflow.position.then(agent, self.order)
+        position.numeric, position.onehot = numeric, onehot
+        workflow.position = position
+        workflow.ts = ts
+        workflow.node = workflow.hints = workflow.forecast = None
+        self._calls += 1
+
+    def observe_finished(self, workflow_id: str) -> None:
+        """Workflow ``workflow_id`` ended: learn that ``END`` followed its last call."""
+        workflow = self._workflows.pop(workflow_id, None)
+        if workflow is None:
+            return
+        self._learn(workflow, END)
+        self._finished += 1
+
+    def forget(self, workflow_id: str) -> None:
+        """Drop a workflow without learning from it (e.g. it was cancelled)."""
+        self._workflows.pop(workflow_id, None)
+
+    def predict(self, workflow_id: str) -> Forecast:
+        """The forecast for an active workflow (cached until its next call is observed)."""
+        workflow = self._workflows.get(workflow_id)
+        if workflow is None:
+            raise KeyError(f"workflow {workflow_id!r} is not active (no call observed)")
+        return self._served(workflow)
+
+    def predict_next_for_new(
+        self, workflow_type: str, hints: Mapping[str, HintValue] | None = None
+    ) -> Forecast:
+        """The forecast for a workflow of type ``workflow_type`` that has made no call yet,
+        whose first request carries ``hints``: step 1 is its first agent."""
+        position = self._fresh(workflow_type, hints or {})
+        state = self._hints(position, self._type(workflow_type).context)
+        forecast = self._rollout(position, self._evaluate(position, state), state)
+        return self._noisy(workflow_type, forecast)
+
+    def active(self) -> list[str]:
+        return list(self._workflows)
+
+    def stats(self) -> dict[str, Any]:
+        """Accuracy per step (rolling and since the start), step-1 cross-entropy, drifts,
+        sizes, and the work done per forecast (model evaluations, a count, not a time)."""
+        stats = self.tracker.stats()
+        stats.update(
+            calls=self._calls,
+            finished=self._finished,
+            active=len(self._workflows),
+            types=len(self._types),
+            agents=sum(len(t.agents) for t in self._types.values()),
+            contexts=self.markov.n_contexts + self.copy.n_contexts,
+            forecasts=self._forecasts,
+            evaluations=self._nodes,
+            nodes_per_forecast=self._nodes / self._forecasts if self._forecasts else 0.0,
+            expert_weights={
+                kind: dict(zip(EXPERTS, t.mixture.typewide, strict=True))
+                for kind, t in self._types.items()
+            },
+        )
+        return stats
+
+    # -- positions -----------------------------------------------------------------------------
+
+    def _type(self, kind: str) -> _TypeModel:
+        model = self._types.get(kind)
+        if model is None:
+            mixture = Mixture(len(EXPERTS), rate=self.expert_rate, floor=self.expert_floor)
+            context = ContextModel(learning_rate=self.learning_rate)
+            model = self._types[kind] = _TypeModel(context, mixture)
+        return model
+
+    def _fresh(self, kind: str, hints: Mapping[str, HintValue]) -> Position:
+        numeric, onehot = split_hints(hints)
+        return Position(kind, (START,), (), 0, {}, 0, numeric, onehot)
+
+    def _start(
+        self, workflow_id: str, kind: str, hints: Mapping[str, HintValue], ts: float
+    ) -> _Workflow:
+        workflow = _Workflow(self._fresh(kind, hints), ts)
+        self._workflows[workflow_id] = workflow
+        while len(self._workflows) > self.max_workflows:
+            self._workflows.popitem(last=False)
+        return workflow
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def _structure(self, position: Position, model: _TypeModel) -> _Structure:
+        """The count models' view of ``position``, from the cache while fresh enough."""
+        history = position.history
+        key = (history[-self.order :], min(position.run, 3), position.recent)
+        cached = model.structures.get(key)
+        stale = min(self.refresh, model.learns // 10)
+        if cached is not None and model.learns - cached.version <= stale:
+            return cached
+        kind = position.kind
+        markov_x = {"type": kind}
+        for i in range(1, min(self.order, len(history)) + 1):
+            markov_x[f"h{i}"] = history[-i]
+        markov = self.markov.distribution(markov_x)
+        copy_x = {"type": kind, "h1": f"run{min(position.run, 3)}", "h2": history[-1]}
+        copy = self._copy_distribution(position, copy_x, markov)
+        w_markov, w_copy, _ = model.mixture.weights(history[-1])
+        prior: dict[str, float] = {}
+        for label, p in markov.items():
+            prior[label] = w_markov * p
+        for label, p in copy.items():
+            prior[label] = prior.get(label, 0.0) + w_copy * p
+        agents = sorted((a for a in prior if a != END), key=prior.__getitem__, reverse=True)
+        labels = [*agents[: self.max_candidates - 1], END]
+        relative = [counted_features(position, label, markov, copy) for label in labels]
+        structure = _Structure(model.learns, labels, markov, copy, relative, markov_x, copy_x)
+        if len(model.structures) >= self.max_cache:
+            model.structures.clear()
+        model.structures[key] = structure
+        return structure
+
+    def _hints(self, position: Position, context: ContextModel) -> _Hints:
+        return _Hints(position.numeric, context.hint_features(position.numeric, position.onehot))
+
+    def _evaluate(self, position: Position, hints: _Hints) -> _Node:
+        """The fused one-step distribution at ``position`` (whose hints are ``hints``)."""
+        self._nodes += 1
+        model = self._type(position.kind)
+        structure = self._structure(position, model)
+        context = model.context
+        labels = structure.labels
+        crossed = hints.crossed
+        dot = context.dot()
+        relative: list[Features] = []
+        scores: list[float] = []
+        for label, counted in zip(labels, structure.relative, strict=True):
+            features = self._path(position, label, counted)
+            relative.append(features)
+            part = crossed.get(label) or self._crossed(context, hints, label)
+            scores.append(sigmoid(part[1] + dot(features)))
+        total = sum(scores)
+        w_markov, w_copy, w_context = model.mixture.weights(position.history[-1])
+        markov, copy = structure.markov, structure.copy
+        context_p: dict[str, float] = {}
+        probs: list[float] = []
+        for label, score in zip(labels, scores, strict=True):
+            q = score / total
+            context_p[label] = q
+            probs.append(
+                w_markov * markov.get(label, 0.0) + w_copy * copy.get(label, 0.0) + w_context * q
+            )
+        norm = sum(probs)
+        return _Node(structure, labels, [p / norm for p in probs], context_p, relative, scores)
+
+    @staticmethod
+    def _crossed(context: ContextModel, hints: _Hints, label: str) -> tuple[Features, float]:
+        """The hint features crossed with ``label`` and their margin, once per forecast."""
+        part = hints.crossed.get(label)
+        if part is None:
+            features = context.crossed(label, hints.features)
+            part = hints.crossed[label] = (features, context.hint_margin(features))
+        return part
+
+    def _copy_distribution(
+        self, position: Position, copy_x: dict[str, str], markov: dict[str, float]
+    ) -> dict[str, float]:
+        """The copy expert: P(rank j) on the j-th most recent distinct agent; the rest of the
+        mass spread over the other labels as ``markov`` spreads it."""
+        recent = position.recent
+        if not recent:
+            return markov
+        ranks = self.copy.distribution(copy_x)
+        if not ranks:
+            return markov
+        possible = [ranks.get(f"r{j}", 0.0) for j in range(1, len(recent) + 1)]
+        other = ranks.get(OTHER, 0.0)
+        total = sum(possible) + other
+        if total <= 0.0:
+            return markov
+        dist = {agent: p / total for agent, p in zip(recent, possible, strict=False)}
+        rest = 1.0 - sum(markov.get(a, 0.0) for a in recent)
+        if rest > 1e-9:
+            scale = other / total / rest
+            for label, p in markov.items():
+                if label not in dist:
+                    dist[label] = p * scale
+        return dist
+
+    # -- K steps -------------------------------------------------------------------------------
+
+    def _rollout(self, position: Position, node: _Node, hints: _Hints) -> Forecast:
+        self._forecasts += 1
+        return rollout(
+            position,
+            node,
+            lambda child: self._evaluate(child, hints),
+            k=self.k,
+            beam=self.beam,
+            min_branch=self.min_branch,
+            order=self.order,
+        )
+
+    def _noisy(self, kind: str, forecast: Forecast) -> Forecast:
+        if self.noise and self._rng.random() < self.noise:
+            labels = [*self._type(kind).agents, END]
+            return random_forecast(labels, self.k, self._rng)
+        return forecast
+
+    def _served(self, workflow: _Workflow) -> Forecast:
+        if workflow.forecast is None:
+            position = workflow.position
+            if workflow.node is None or workflow.hints is None:
+                workflow.hints = self._hints(position, self._type(position.kind).context)
+                workflow.node = self._evaluate(position, workflow.hints)
+            forecast = self._rollout(position, workflow.node, workflow.hints)
+            workflow.forecast = self._noisy(position.kind, forecast)
+            workflow.pending.append((position.pos, workflow.forecast))
+        return workflow.forecast
+
+    # -- learning ------------------------------------------------------------------------------
+
+    def _learn(self, workflow: _Workflow, label: str) -> None:
+        position = workflow.position
+        kind = position.kind
+        if position.pos:  # an active workflow's position gets a forecast, and it is scored
+            self._served(workflow)
+        elif workflow.node is None or workflow.hints is None:
+            workflow.hints = self._hints(position, self._type(kind).context)
+            workflow.node = self._evaluate(position, workflow.hints)
+        node, hints = workflow.node, workflow.hints
+        assert node is not None and hints is not None
+        structure = node.structure
+
+        drifted = False
+        pending = workflow.pending
+        for made, forecast in pending:
+            step = position.pos - made + 1
+            drifted |= self.tracker.check(kind, forecast, step, label)
+        while pending and (label == END or position.pos - pending[0][0] + 2 > self.k):
+            pending.popleft()
+
+        model = self._type(kind)
+        model.learns += 1
+        if label != END and label not in model.known:
+            model.known.add(label)
+            model.agents.append(label)
+        self.markov.learn(structure.markov_x, label)
+        recent = position.recent
+        rank = f"r{recent.index(label) + 1}" if label in recent else OTHER
+        self.copy.learn(structure.copy_x, rank)
+
+        # the context model: the true label as a positive, the most likely wrong one as a
+        # negative; a step is skipped where the model is already sure (its gradient is ~0)
+        context = model.context
+        labels = structure.labels
+        truth = labels.index(label) if label in labels else -1
+        if truth < 0 or node.scores[truth] < 1.0 - self.sure:
+            if truth >= 0:
+                relative = node.relative[truth]
+            else:
+                counted = counted_features(position, label, structure.markov, structure.copy)
+                relative = self._path(position, label, counted)
+            context.learn({**self._crossed(context, hints, label)[0], **relative}, True)
+        wrong = max(
+            (i for i in range(len(labels)) if i != truth), key=node.probs.__getitem__, default=-1
+        )
+        if wrong >= 0 and node.scores[wrong] > self.sure:
+            features = self._crossed(context, hints, labels[wrong])[0]
+            context.learn({**features, **node.relative[wrong]}, False)
+        context.learn_hints(hints.numeric)
+
+        said = [structure.markov.get(label, 0.0), structure.copy.get(label, 0.0)]
+        said.append(node.context.get(label, 0.0))
+        model.mixture.learn(position.history[-1], said)
+
+        if drifted:
+            self.markov.decay(kind, self.drift_decay)
+            self.copy.decay(kind, self.drift_decay)
+            context.reset()
+            model.mixture.reset()
+            model.structures.clear()

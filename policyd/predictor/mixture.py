@@ -1,0 +1,51 @@
+"""How much to trust each expert: mixture weights learnt online, per workflow type and last agent.
+
+Exponentiated gradient on the log loss of the mixture (Helmbold et al.): after each transition
+every expert's weight is multiplied by ``exp(rate * p_i(y) / p_mix(y))`` and renormalised, then a
+``floor`` share is spread uniformly so that an expert that got better can win weight back. Where a
+hint decides the branch, the context expert takes over; where the path alone decides, the counts
+keep their say. A last agent seen for the first time starts from its type's weights.
+
+>>> mix = Mixture(3)
+>>> for _ in range(50):
+...     mix.learn("planner", [0.5, 0.5, 0.95])
+>>> [round(w, 2) for w in mix.weights("planner")]
+[0.03, 0.03, 0.94]
+>>> mix.weights("someone new") == mix.typewide
+True
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class Mixture:
+    """Weights of ``n`` experts: one set for the type, one per last agent."""
+
+    def __init__(self, n: int, *, rate: float = 0.5, floor: float = 0.02) -> None:
+        self.n = n
+        self.rate = rate
+        self.floor = floor
+        self.typewide = [1.0 / n] * n
+        self._local: dict[str, list[float]] = {}
+
+    def weights(self, last: str) -> list[float]:
+        return self._local.get(last, self.typewide)
+
+    def learn(self, last: str, said: list[float]) -> None:
+        """``said``: each expert's probability of the label that followed ``last``."""
+        self._local[last] = self._step(self._local.get(last, self.typewide), said)
+        self.typewide = self._step(self.typewide, said)
+
+    def reset(self) -> None:
+        self.typewide = [1.0 / self.n] * self.n
+        self._local.clear()
+
+    def _step(self, weights: list[float], said: list[float]) -> list[float]:
+        mixed = sum(w * p for w, p in zip(weights, said, strict=True)) or 1e-12
+        rate = self.rate / mixed
+        new = [w * math.exp(rate * p) for w, p in zip(weights, said, strict=True)]
+        norm = sum(new)
+        floor = self.floor / self.n
+        return [(1.0 - self.floor) * w / norm + floor for w in new]

@@ -1,0 +1,405 @@
+"""The online next-agent predictor: what it learns, how fast, what it answers, what it costs.
+
+Streams are built here from small rules (a cycle, a hint that picks the branch, a regime change),
+so each expectation follows from the rule, not from a recorded output of the predictor.
+"""
+
+from __future__ import annotations
+
+import doctest
+import math
+import random
+from collections.abc import Hashable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from river import checks
+
+from policyd import predictor_eval
+from policyd.predictor import (
+    END,
+    START,
+    Forecast,
+    Predictor,
+    backoff,
+    context,
+    fusion,
+    mixture,
+    position,
+    rollout,
+    tracking,
+)
+from policyd.predictor import forecast as forecast_module
+from policyd.predictor.backoff import BackoffClassifier
+from policyd.predictor_eval import MarkovBaseline, evaluate, interleave
+from policyd.traces.whowhen import whowhen_workload
+from policyd.types import HintValue
+from policyd.workload import Call, Workload
+from policyd.workloads.pbkv import code_writing, fact_checking
+
+WHOWHEN = Path(__file__).resolve().parents[2] / "shared" / "traces" / "who_and_when_captainagent"
+
+Step = tuple[str, dict[str, HintValue]]
+
+
+def run(predictor: Predictor, workflows: Iterable[Sequence[Step]], kind: str = "t") -> None:
+    """Feed whole workflows one after another (predict before each call, as a policy would)."""
+    for n, steps in enumerate(workflows):
+        wid = f"{kind}-{n}-{id(steps)}"
+        for i, (agent, hints) in enumerate(steps):
+            if i:
+                predictor.predict(wid)
+            predictor.observe_call(wid, kind, agent, hints, float(i))
+        predictor.predict(wid)
+        predictor.observe_finished(wid)
+
+
+def plain(agents: str) -> list[Step]:
+    return [(a, {}) for a in agents]
+
+
+def check_forecast(forecast: Forecast, k: int) -> None:
+    """The invariants every forecast keeps."""
+    assert len(forecast.agents) == len(forecast.alive) == k
+    previous = 1.0
+    for dist, alive in zip(forecast.agents, forecast.alive, strict=True):
+        assert -1e-12 <= alive <= previous + 1e-12
+        previous = alive
+        assert END not in dist and START not in dist
+        assert all(p >= 0.0 for p in dist.values())
+        if alive > 1e-9:
+            assert math.isclose(sum(dist.values()), 1.0, rel_tol=1e-9)
+
+
+# ---- doctests and River's estimator contract ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        forecast_module,
+        backoff,
+        context,
+        mixture,
+        position,
+        rollout,
+        tracking,
+        fusion,
+        predictor_eval,
+    ],
+)
+def test_doctests(module: object) -> None:
+    assert doctest.testmod(module).failed == 0  # type: ignore[arg-type]
+
+
+def test_backoff_classifier_passes_rivers_generic_checks() -> None:
+    # the dataset-driven checks need scikit-learn; these are the ones on the estimator itself
+    model = BackoffClassifier(order=2)
+    for check in (
+        checks.common.check_repr,
+        checks.common.check_str,
+        checks.common.check_tags,
+        checks.common.check_clone_same_class,
+        checks.common.check_clone_is_idempotent,
+        checks.common.check_init_has_default_params_for_tests,
+        checks.common.check_init_default_params_are_not_mutable,
+        checks.common.check_doc,
+        checks.common.check_clone_changes_memory_addresses,
+        checks.common.check_pickling_supports_roundtrip,
+        checks.common.check_get_params_matches_signature,
+    ):
+        check(model)  # type: ignore[no-untyped-call]
+
+
+# ---- learning ----------------------------------------------------------------------------------
+
+
+def test_learns_a_deterministic_cycle_within_a_few_workflows() -> None:
+    predictor = Predictor(k=3)
+    run(predictor, [plain("ABCD")] * 5)
+    hits, checked = list(predictor.tracker.hits), list(predictor.tracker.checked)
+    run(predictor, [plain("ABCD")] * 10)
+    for step in range(3):
+        late = predictor.tracker.hits[step] - hits[step]
+        late_checked = predictor.tracker.checked[step] - checked[step]
+        assert late_checked >= 10
+        assert late == late_checked, f"step {step + 1}: {late}/{late_checked} right"
+    predictor.observe_call("x", "t", "A", {}, 0.0)
+    forecast = predictor.predict("x")
+    assert [forecast.top(s) for s in (1, 2, 3)] == ["B", "C", "D"]
+    assert forecast.agents[0]["B"] > 0.9
+    predictor.observe_call("x", "t", "B", {}, 1.0)
+    predictor.observe_call("x", "t", "C", {}, 2.0)
+    assert [predictor.predict("x").top(s) for s in (1, 2, 3)] == ["D", END, END]
+    assert predictor.predict_next_for_new("t").top(1) == "A"
+
+
+def test_backoff_answers_unseen_contexts_from_shorter_ones() -> None:
+    model = BackoffClassifier(order=3)
+    for _ in range(10):
+        model.learn_one({"type": "t", "h1": "B", "h2": "A", "h3": START}, "C")
+    # a longer context never seen: the (t, B) level answers
+    assert model.predict_one({"type": "t", "h1": "B", "h2": "Z", "h3": "Y"}) == "C"
+    # a type never seen: what all types share after B
+    assert model.predict_one({"type": "other", "h1": "B"}) == "C"
+    # an agent never seen as context: the type's unigram
+    assert model.predict_one({"type": "t", "h1": "nobody"}) == "C"
+    assert model.predict_proba_one({}) == {"C": 1.0}
+    assert BackoffClassifier().predict_proba_one({"type": "t", "h1": "A"}) == {}
+
+
+def test_backoff_memory_is_bounded_when_every_workflow_names_new_agents() -> None:
+    model = BackoffClassifier(order=2, max_contexts=500)
+    for n in range(2000):  # group-chat style: agents named per task
+        model.learn({"type": "chat", "h1": f"expert{n}", "h2": START}, "Verifier")
+        model.learn({"type": "chat", "h1": "Verifier", "h2": f"expert{n}"}, END)
+    assert model.n_contexts <= 500
+    # what recurs survives the pruning
+    assert model.distribution({"type": "chat", "h1": "expert-new"})["Verifier"] > 0.4
+
+
+def test_new_agents_and_workflow_types_mid_stream() -> None:
+    predictor = Predictor(k=2)
+    run(predictor, [plain("ABC")] * 30)
+    # a new agent D appears between A and B and stays
+    run(predictor, [plain("ADBC")] * 40)
+    predictor.observe_call("x", "t", "A", {}, 0.0)
+    assert predictor.predict("x").top(1) == "D"
+    assert predictor.predict("x").top(2) == "B"
+    # a new type, never seen: predicted from what all types share, then learnt on its own
+    unseen = predictor.predict_next_for_new("fresh")
+    check_forecast(unseen, 2)
+    run(predictor, [plain("XYZ")] * 10, kind="fresh")
+    assert predictor.predict_next_for_new("fresh").top(1) == "X"
+    predictor.observe_call("y", "fresh", "X", {}, 0.0)
+    assert [predictor.predict("y").top(s) for s in (1, 2)] == ["Y", "Z"]
+    assert predictor.stats()["types"] == 2
+
+
+def test_a_hint_that_decides_the_branch_is_learnt() -> None:
+    rng = random.Random(7)
+    workflows: list[list[Step]] = []
+    for _ in range(150):
+        x = rng.randint(0, 1)
+        branch = "B" if x else "C"
+        workflows.append([("A", {"x": x, "size": rng.random()}), (branch, {}), ("D", {})])
+    predictor = Predictor(k=2)
+    run(predictor, workflows)
+    for x, branch, other in ((1, "B", "C"), (0, "C", "B")):
+        predictor.observe_call(f"probe{x}", "t", "A", {"x": x, "size": 0.5}, 0.0)
+        forecast = predictor.predict(f"probe{x}")
+        assert forecast.top(1) == branch
+        assert forecast.agents[0][branch] > 0.8
+        assert forecast.agents[0].get(other, 0.0) < 0.2
+        assert forecast.top(2) == "D"
+    # the count model alone cannot tell: after A it has seen B and C about as often
+    markov = predictor.markov.predict_proba_one({"type": "t", "h1": "A", "h2": START})
+    assert abs(markov["B"] - markov["C"]) < 0.3
+    assert predictor.stats()["expert_weights"]["t"]["context"] > 0.5
+
+
+def test_retries_so_far_move_the_forecast() -> None:
+    """Scenario: a tester sends work back to the coder until the second attempt, always; the
+    hints carry nothing, so only the per-agent call counts tell the attempts apart."""
+    predictor = Predictor(k=3)
+    run(predictor, [plain("PCTCTCTR")] * 60)
+    predictor.observe_call("x", "t", "P", {}, 0.0)
+    expected = [*"CTCTCTR", END]
+    for i, agent in enumerate("CTCTCTR"):
+        predictor.observe_call("x", "t", agent, {}, float(i + 1))
+        forecast = predictor.predict("x")
+        assert [forecast.top(s) for s in (1, 2, 3)] == (expected[i + 1 :] + [END] * 3)[:3]
+
+
+# ---- what a forecast is ------------------------------------------------------------------------
+
+
+def test_forecasts_are_distributions_and_alive_never_increases() -> None:
+    predictor = Predictor(k=4)
+    workload = fact_checking(seed=1, workflows=40)
+    for call, pos, ended in interleave(workload, 8):
+        if ended:
+            check_forecast(predictor.predict(call.workflow_id), 4)
+            predictor.observe_finished(call.workflow_id)
+            continue
+        if pos:
+            check_forecast(predictor.predict(call.workflow_id), 4)
+        predictor.observe_call(call.workflow_id, call.workflow_type, call.agent, call.hints, 0.0)
+    # late in the stream, after a summarizer the workflow ends, and stays ended
+    predictor.observe_call("x", "fact-checking", "planner", {"hops": 2}, 0.0)
+    predictor.observe_call("x", "fact-checking", "summarizer", {"hops": 2}, 1.0)
+    forecast = predictor.predict("x")
+    assert forecast.alive[0] < 0.2
+    assert forecast.alive == sorted(forecast.alive, reverse=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    streams=st.lists(
+        st.lists(st.sampled_from("ABCDE"), min_size=1, max_size=8), min_size=1, max_size=12
+    ),
+    hint=st.one_of(st.none(), st.integers(-5, 5), st.floats(allow_nan=False), st.text(max_size=3)),
+    k=st.integers(1, 4),
+)
+def test_forecast_invariants_on_any_stream(
+    streams: list[list[str]], hint: HintValue, k: int
+) -> None:
+    predictor = Predictor(k=k, seed=3)
+    for n, agents in enumerate(streams):
+        wid = f"w{n}"
+        check_forecast(predictor.predict_next_for_new("t", {"h": hint}), k)
+        for i, agent in enumerate(agents):
+            predictor.observe_call(wid, "t", agent, {"h": hint, "i": i}, float(i))
+            check_forecast(predictor.predict(wid), k)
+        predictor.observe_finished(wid)
+    assert predictor.stats()["active"] == 0
+
+
+def test_forecast_accessors() -> None:
+    f = Forecast(agents=[{"a": 0.6, "b": 0.4}, {}], alive=[0.5, 0.0])
+    assert f.prob("a", 1) == pytest.approx(0.3)
+    assert f.prob(END, 1) == pytest.approx(0.5)
+    assert f.top(1) == END  # P(end) = 0.5 beats P(a) = 0.3
+    assert f.top(2) == END
+
+
+# ---- noise, drift, cost ------------------------------------------------------------------------
+
+
+def test_full_noise_gives_chance_accuracy() -> None:
+    agents = "ABCDEFG"  # 7 agents and END: chance is 1/8
+    clean, noisy = Predictor(k=2, noise=0.0), Predictor(k=2, noise=1.0, seed=5)
+    for predictor in (clean, noisy):
+        run(predictor, [plain(agents)] * 60)
+    assert clean.stats()["accuracy"][0] > 0.95
+    assert 0.07 < noisy.stats()["accuracy"][0] < 0.2
+    # the models behind the noise learnt all the same
+    assert noisy.markov.predict_one({"type": "t", "h1": "C", "h2": "B"}) == "D"
+    # seeded: the same noise twice
+    again = Predictor(k=2, noise=1.0, seed=5)
+    run(again, [plain(agents)] * 60)
+    assert again.stats()["accuracy"] == noisy.stats()["accuracy"]
+
+
+def test_drift_is_detected_and_accuracy_recovers() -> None:
+    """Scenario: 200 workflows P->A->B->C, then the order of A and B flips for good."""
+    before, after = plain("PABC"), plain("PBAC")
+    predictor = Predictor(k=1, window=100)
+    run(predictor, [before] * 200)
+    assert predictor.stats()["drifts"] == {}
+    run(predictor, [after] * 60)
+    assert predictor.stats()["drifts"].get("t", 0) >= 1
+    assert predictor.stats()["rolling_accuracy"][0] > 0.95
+    # the reaction: the type's counts were decayed, so the count model itself follows the new
+    # order; without forgetting, 200 old workflows still outvote 60 new ones there
+    after_p: dict[Hashable, Any] = {"type": "t", "h1": "P", "h2": START}
+    assert predictor.markov.predict_one(after_p) == "B"
+    stubborn = Predictor(k=1, window=100, drift_decay=1.0, max_count=1e9)
+    run(stubborn, [before] * 200)
+    run(stubborn, [after] * 60)
+    assert stubborn.markov.predict_one(after_p) == "A"
+
+
+def test_work_per_forecast_is_bounded_by_the_beam() -> None:
+    """Count-based cost: every forecast evaluates the one-step model at most 1 + beam * (k - 1)
+    times, however long the stream; the per-type cache and the active set stay bounded."""
+    predictor = Predictor(k=3, beam=2, max_cache=50, max_workflows=20)
+    bound = 1 + 2 * (3 - 1)
+    most = 0
+    for call, pos, ended in interleave(code_writing(seed=2, workflows=120), 16):
+        if ended:
+            predictor.observe_finished(call.workflow_id)
+            continue
+        if pos:
+            before = predictor.stats()["evaluations"]
+            predictor.predict(call.workflow_id)
+            most = max(most, predictor.stats()["evaluations"] - before)
+            # a second ask is answered from the cache
+            evaluations = predictor.stats()["evaluations"]
+            predictor.predict(call.workflow_id)
+            assert predictor.stats()["evaluations"] == evaluations
+        predictor.observe_call(call.workflow_id, call.workflow_type, call.agent, call.hints, 0.0)
+    assert 1 < most <= bound
+    assert len(predictor._type("code-writing").structures) <= 50
+    for i in range(30):  # more active workflows than remembered: the oldest are forgotten
+        predictor.observe_call(f"extra{i}", "code-writing", "planner", {}, 0.0)
+    assert predictor.stats()["active"] <= 20
+
+
+def test_invalid_use_is_refused() -> None:
+    predictor = Predictor()
+    with pytest.raises(KeyError, match="not active"):
+        predictor.predict("nobody")
+    with pytest.raises(ValueError, match="reserved"):
+        predictor.observe_call("w", "t", END, {}, 0.0)
+    with pytest.raises(ValueError, match="noise"):
+        Predictor(noise=1.5)
+    predictor.observe_finished("never started")  # ignored
+    predictor.forget("never started")
+    assert predictor.stats()["finished"] == 0
+
+
+# ---- the evaluation ------------------------------------------------------------------------------
+
+
+def test_markov_baseline_rolls_forward() -> None:
+    baseline = MarkovBaseline(k=3)
+    for agents in ("ABC", "ABC", "ABD"):
+        last = START
+        for agent in [*agents, END]:
+            baseline.learn("t", last, agent)
+            last = agent
+    assert baseline.predict("t", "A") == ["B", "C", END]
+    assert baseline.predict("t", "unknown") == ["A", "B", "C"]  # the type's most frequent
+
+
+def test_interleave_round_robins_and_ends_each_stream_once() -> None:
+    def call(w: str, a: str) -> Call:
+        return Call(workflow_id=w, agent=a, block_hashes=(), prompt_tokens=0)
+
+    streams = [[call("w1", "a"), call("w1", "b")], [call("w2", "c")], [call("w3", "d")]]
+    events = [
+        (c.workflow_id, pos, ended) for c, pos, ended in interleave(Workload("x", streams), 2)
+    ]
+    assert events == [
+        ("w1", 0, False),
+        ("w2", 0, False),
+        ("w2", 1, True),
+        ("w1", 1, False),
+        ("w1", 2, True),
+        ("w3", 0, False),
+        ("w3", 1, True),
+    ]
+
+
+def test_prequential_evaluation_beats_markov_on_fact_checking() -> None:
+    result = evaluate(fact_checking(seed=0, workflows=150), Predictor(k=3), concurrency=16)
+    assert result.ours.all.checked[0] == result.markov.all.checked[0] > 1000
+    for step in (1, 2, 3):
+        assert result.ours.all.accuracy(step) >= result.markov.all.accuracy(step) - 0.01
+    assert result.ours.all.accuracy(1) > 0.85
+
+
+@pytest.mark.skipif(not WHOWHEN.is_dir(), reason="Who&When traces not present")
+def test_real_whowhen_chats() -> None:
+    workload = whowhen_workload(WHOWHEN, limit=60)
+    result = evaluate(workload, Predictor(k=3), concurrency=16)
+    assert result.ours.all.checked[0] > 200
+    # group chats name their experts per task: the copy expert is what beats first-order counts
+    assert result.ours.all.accuracy(1) > result.markov.all.accuracy(1)
+
+
+def test_eval_command_prints_a_table_and_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--workloads", "financial,fact-checking", "--workflows", "20", "--concurrency", "4"]
+    assert predictor_eval.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "financial" in out and "fact-checking" in out and "Markov @3" in out
+    assert "python -m policyd.predictor_eval --workloads financial,fact-checking" in out
+
+
+def test_unknown_workload_is_refused() -> None:
+    with pytest.raises(ValueError, match="fact-checking"):
+        predictor_eval.load("nope", 1, 0, WHOWHEN)
