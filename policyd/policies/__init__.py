@@ -8,9 +8,11 @@ from typing import Any
 from policyd.policies.base import Ordering, Policy
 from policyd.policies.belady import Belady, FutureIndex
 from policyd.policies.lru import LRU
+from policyd.policies.pbkv import PBKV
 
 POLICIES: dict[str, type[Policy]] = {
     LRU.name: LRU,
+    PBKV.name: PBKV,
     Belady.name: Belady,
 }
 

@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
+import msgspec
+
 from policyd.engine import Engine
 from policyd.policies import FutureIndex, Policy, make_policy
 from policyd.sim.cache import GpuTier, HostTier, KeyedQueue, LruQueue, RunningSpace
@@ -113,6 +115,7 @@ class Simulator:
         self.now = 0.0
         self.engine = Engine(policy, clock=lambda: self.now)
         self._snapshot: PolicySnapshot | None = None
+        self._events_at_snapshot = -1
         self._scores: dict[int, float] = {}
         self.gpu = GpuTier(
             gpu_blocks,
@@ -170,6 +173,12 @@ class Simulator:
         return lambda block, victim: policy.oracle_admits(tier, block, victim)
 
     def _apply_snapshot(self) -> None:
+        events = self.engine.state.counters.events
+        if self._snapshot is not None and events == self._events_at_snapshot:
+            # nothing happened since: the decisions would be the same, only fresher
+            self._snapshot = msgspec.structs.replace(self._snapshot, ts=self.now)
+            return
+        self._events_at_snapshot = events
         snap = self.engine.snapshot()
         self._snapshot = snap
         self._scores.clear()
