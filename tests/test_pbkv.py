@@ -54,8 +54,8 @@ def test_a_shared_prefix_scores_at_least_its_best_private_user():
         call(engine, f"{wid}.0", wid, "planner", private)
     scores = policy.block_scores(engine.state)
     shared = min(scores[b] for b in SYS)
-    private = max(scores[b] for b in (9001, 9002, 9101, 9102))
-    assert shared >= private > 0.0
+    best_private = max(scores[b] for b in (9001, 9002, 9101, 9102))
+    assert shared >= best_private > 0.0
     # the prefix collects value from both workflows
     assert shared >= 2 * min(scores[b] for b in (9001, 9002)) - 1e-9
 
