@@ -7,12 +7,14 @@ from typing import Any
 
 from policyd.policies.base import Ordering, Policy
 from policyd.policies.belady import Belady, FutureIndex
+from policyd.policies.kvflow import KVFlow
 from policyd.policies.lru import LRU
 from policyd.policies.pbkv import PBKV
 
 POLICIES: dict[str, type[Policy]] = {
     LRU.name: LRU,
     PBKV.name: PBKV,
+    KVFlow.name: KVFlow,
     Belady.name: Belady,
 }
 
