@@ -60,3 +60,21 @@ class Policy:
     def oracle_admits(self, tier: Tier, block: int, victim: int) -> bool:
         """For ``ordering == "oracle"``: cache ``block`` by evicting ``victim``?"""
         raise NotImplementedError(f"{self.name} is not an oracle policy")
+
+
+class ScoredPolicy(Policy):
+    """A policy that ranks blocks by a score (lower = evict first) published in its snapshots;
+    the synchronous path ranks the same way, ties by recency."""
+
+    ordering: ClassVar[Ordering] = "snapshot"
+
+    def block_scores(self, state: EngineState) -> dict[int, float]:
+        """Every scored block's score; unscored blocks count as 0."""
+        raise NotImplementedError
+
+    def victims(
+        self, tier: Tier, candidates: Sequence[int], n_blocks: int, state: EngineState
+    ) -> list[int]:
+        scores = self.block_scores(state)
+        recency = state.recency
+        return sorted(candidates, key=lambda b: (scores.get(b, 0.0), recency.get(b, -1)))[:n_blocks]

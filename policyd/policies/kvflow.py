@@ -29,8 +29,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import ClassVar
 
 from policyd.engine import EngineState, WorkflowState
-from policyd.policies.base import Ordering, Policy
-from policyd.types import PolicySnapshot, ScoredBlocks, Tier
+from policyd.policies.base import Ordering, ScoredPolicy
+from policyd.types import PolicySnapshot, ScoredBlocks
 
 AgentGraph = Mapping[str, Sequence[str]]
 
@@ -76,7 +76,7 @@ def steps_from(graph: AgentGraph, start: str) -> dict[str, int]:
     return steps
 
 
-class KVFlow(Policy):
+class KVFlow(ScoredPolicy):
     name: ClassVar[str] = "kvflow"
     ordering: ClassVar[Ordering] = "snapshot"
     description: ClassVar[str] = (
@@ -160,13 +160,6 @@ class KVFlow(Policy):
         )
 
     # -- synchronous decisions -----------------------------------------------------------------
-
-    def victims(
-        self, tier: Tier, candidates: Sequence[int], n_blocks: int, state: EngineState
-    ) -> list[int]:
-        scores = self.block_scores(state)
-        recency = state.recency
-        return sorted(candidates, key=lambda b: (scores.get(b, 0.0), recency.get(b, -1)))[:n_blocks]
 
     def prefetch(self, budget_blocks: int, state: EngineState) -> list[int]:
         """Host blocks of the next-step agents of idle workflows (their latest prompt in the

@@ -20,11 +20,10 @@ the private rest of its prompt - the structure of agent prompts makes these disj
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import ClassVar
 
 from policyd.engine import EngineState
-from policyd.policies.base import Ordering, Policy
+from policyd.policies.base import Ordering, ScoredPolicy
 from policyd.predictor import END, Forecast, Predictor
 from policyd.types import (
     BlocksRemoved,
@@ -32,14 +31,13 @@ from policyd.types import (
     PolicySnapshot,
     RequestStarted,
     ScoredBlocks,
-    Tier,
     WorkflowFinished,
 )
 
 RETIRED_SCORE = -1.0
 
 
-class PBKV(Policy):
+class PBKV(ScoredPolicy):
     name: ClassVar[str] = "pbkv"
     ordering: ClassVar[Ordering] = "snapshot"
     description: ClassVar[str] = "PBKV: lifecycle + lookahead reuse score, conservative prefetch"
@@ -172,13 +170,6 @@ class PBKV(Policy):
         return scores
 
     # -- synchronous decisions -----------------------------------------------------------------
-
-    def victims(
-        self, tier: Tier, candidates: Sequence[int], n_blocks: int, state: EngineState
-    ) -> list[int]:
-        scores = self.block_scores(state)
-        recency = state.recency
-        return sorted(candidates, key=lambda b: (scores.get(b, 0.0), recency.get(b, -1)))[:n_blocks]
 
     def prefetch(self, budget_blocks: int, state: EngineState) -> list[int]:
         """Host blocks of the agents likely to be called next by idle workflows, most likely
