@@ -42,8 +42,14 @@ class BenchSpec:
     profile: str
     seed: int = 0
     snapshot_interval_s: float = 1.0
+    # pbkv rerun with this fraction of its predictions replaced by random ones (degradation)
+    noise: Sequence[float] = ()
 
     def __post_init__(self) -> None:
+        if any(not 0.0 <= x <= 1.0 for x in self.noise):
+            raise ValueError(f"noise levels must be in [0, 1], got {list(self.noise)}")
+        if self.noise and "pbkv" not in self.policies:
+            raise ValueError("--noise degrades pbkv's predictor: add pbkv to the policies")
         for name in self.policies:
             if name not in POLICIES:
                 raise ValueError(
@@ -80,7 +86,8 @@ def run_bench(
     # lru first (its order of calls seeds belady's oracle), then belady, then the rest
     policies = list(dict.fromkeys([p for p in ("lru", "belady") if p in spec.policies]))
     policies = list(dict.fromkeys([*policies, "belady", *spec.policies]))
-    total_calls = sum(loaded[point[0]].calls for point in spec.points()) * len(policies)
+    runs_per_point = len(policies) + len(spec.noise)
+    total_calls = sum(loaded[point[0]].calls for point in spec.points()) * runs_per_point
     reports: list[Report] = []
     progress = Progress(
         TextColumn("[bold]{task.description}"),
@@ -112,11 +119,23 @@ def run_bench(
                     progress=lambda n: progress.advance(task, n),
                     lru_report=point.get("lru"),
                 )
+            for level in spec.noise:
+                label = f"pbkv noise={level:g}"
+                progress.update(task, description=f"{name} C={concurrency} {label}")
+                point[label] = simulate(
+                    loaded[name],
+                    "pbkv",
+                    config,
+                    progress=lambda n: progress.advance(task, n),
+                    policy_params={"noise": level},
+                )
+                point[label].policy = label
             best = point["belady"].hit_rate
             for report in point.values():
                 report.records.clear()
                 report.belady_fraction = report.hit_rate / best if best > 0 else None
-            reports.extend(point[p] for p in spec.policies if p in point)
+            labels = [*spec.policies, *(f"pbkv noise={x:g}" for x in spec.noise)]
+            reports.extend(point[p] for p in labels if p in point)
             if "belady" not in spec.policies:
                 reports.append(point["belady"])
     return reports

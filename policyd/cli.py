@@ -37,6 +37,18 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _fractions(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+    if not values or any(not 0.0 <= v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected fractions in [0, 1], got {text!r}")
+    return values
+
+
 def _names(valid: Sequence[str], what: str) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
         names = [v.strip() for v in text.split(",") if v.strip()]
@@ -99,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--seed", type=int, default=0, help="workload generator seed")
     bench.add_argument(
+        "--noise",
+        type=_fractions,
+        default=[],
+        help="also run pbkv with these fractions of random predictions, e.g. 0,0.5,1 "
+        "(the degradation curve; lru is the floor)",
+    )
+    bench.add_argument(
         "--json", metavar="PATH", help="also write the results as JSON ('-' = stdout)"
     )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -149,6 +168,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         host_blocks=args.host_blocks,
         profile=args.profile,
         seed=args.seed,
+        noise=args.noise,
     )
     console = _console()
     command = reproduce_command(argv)

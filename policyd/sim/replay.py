@@ -513,6 +513,7 @@ def simulate(
     progress: Progress | None = None,
     belady_passes: int = 2,
     lru_report: Report | None = None,
+    policy_params: dict[str, object] | None = None,
 ) -> Report:
     """Replay ``workload`` under the named policy.
 
@@ -522,7 +523,8 @@ def simulate(
     Belady replay (with concurrency 1 the order is fixed and one pass is exact).
     """
     if policy_name != "belady":
-        return Simulator(workload, make_policy(policy_name), config).run(progress)
+        policy = make_policy(policy_name, **(policy_params or {}))
+        return Simulator(workload, policy, config).run(progress)
     recording = dataclasses.replace(config, record_requests=True)
     if lru_report is not None and len(lru_report.records) == lru_report.requests:
         report = lru_report
