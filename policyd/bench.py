@@ -84,8 +84,8 @@ def run_bench(
     load = load or default_loader(spec.seed)
     loaded = {name: load(name) for name in spec.workloads}
     # lru first (its order of calls seeds belady's oracle), then belady, then the rest
-    policies = list(dict.fromkeys([p for p in ("lru", "belady") if p in spec.policies]))
-    policies = list(dict.fromkeys([*policies, "belady", *spec.policies]))
+    lru_first = ["lru"] if "lru" in spec.policies else []
+    policies = list(dict.fromkeys([*lru_first, "belady", *spec.policies]))
     runs_per_point = len(policies) + len(spec.noise)
     total_calls = sum(loaded[point[0]].calls for point in spec.points()) * runs_per_point
     reports: list[Report] = []

@@ -349,7 +349,7 @@ def _on_workflow_finished(state: EngineState, ev: Event, now: float) -> None:
     wf.last_ts = ev.ts
     state.counters.workflows_finished += 1
     resident = state.resident
-    if not any(b in resident[t] for b in wf.blocks for t in TIERS):
+    if all(wf.blocks.isdisjoint(resident[t]) for t in TIERS):
         # nothing of it is cached: forget it now, ownership included
         for block in wf.blocks:
             holders = state.owners.get(block)
