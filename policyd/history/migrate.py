@@ -1,0 +1,143 @@
+"""Schema versions of the history file: upgrade in place with Alembic, refuse a newer file.
+
+Alembic is configured in code (no alembic.ini); its scripts live in the repository's
+``migrations/`` folder, found next to the ``policyd`` package (a checkout or an editable install).
+The engine is ``duckdb:///path`` through duckdb-engine (DESIGN.md §4 pins the set that works).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Final
+
+import duckdb
+from alembic import command
+from alembic.config import Config
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, create_engine
+
+SCRIPT_LOCATION: Final = Path(__file__).resolve().parents[2] / "migrations"
+
+
+class HistoryError(RuntimeError):
+    """The history file cannot be used (locked by another process, unreadable, not DuckDB)."""
+
+
+class SchemaTooNew(HistoryError):  # noqa: N818 (the name is the contract, HISTORY_API.md)
+    """The file's schema revision is unknown to this code: written by a newer AgentKV."""
+
+
+def _alembic_config(db_path: Path) -> Config:
+    if not (SCRIPT_LOCATION / "env.py").is_file():
+        raise HistoryError(
+            f"Alembic scripts not found at {SCRIPT_LOCATION}: run from a checkout or an editable "
+            "install (pip install -e .)"
+        )
+    config = Config(stdout=io.StringIO())
+    config.set_main_option("script_location", str(SCRIPT_LOCATION))
+    config.set_main_option("sqlalchemy.url", f"duckdb:///{db_path}")
+    return config
+
+
+def head_revision() -> str:
+    """The newest revision this code knows."""
+    head = ScriptDirectory.from_config(_alembic_config(Path("unused"))).get_current_head()
+    if head is None:
+        raise HistoryError(f"no revisions under {SCRIPT_LOCATION / 'versions'}")
+    return head
+
+
+def known_revisions() -> list[str]:
+    """Every revision this code knows, oldest first."""
+    script = ScriptDirectory.from_config(_alembic_config(Path("unused")))
+    return [rev.revision for rev in reversed(list(script.walk_revisions()))]
+
+
+def _open_error(db_path: Path, exc: Exception) -> HistoryError:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if "lock" in text.lower():
+        return HistoryError(f"{db_path} is held by another process (a running daemon?): {text}")
+    return HistoryError(f"cannot open {db_path}: {text}")
+
+
+def schema_revision(db_path: Path) -> str | None:
+    """The file's Alembic revision; None for a missing file or one never migrated."""
+    db_path = Path(db_path)
+    if not db_path.exists():
+        return None
+    try:
+        conn = duckdb.connect(str(db_path), read_only=True)
+    except duckdb.Error as exc:
+        raise _open_error(db_path, exc) from exc
+    try:
+        return _revision_on(conn)
+    finally:
+        conn.close()
+
+
+_HAS_VERSION_TABLE: Final = (
+    "SELECT count(*) FROM information_schema.tables WHERE table_name = 'alembic_version' "
+    "AND table_catalog = current_database() AND table_schema = 'main'"
+)
+
+
+def _revision_on(conn: duckdb.DuckDBPyConnection) -> str | None:
+    found = conn.execute(_HAS_VERSION_TABLE).fetchone()
+    if not found or not found[0]:
+        return None
+    row = conn.execute("SELECT version_num FROM alembic_version").fetchone()
+    return None if row is None else str(row[0])
+
+
+def _revision_sa(conn: Connection) -> str | None:
+    found = conn.exec_driver_sql(_HAS_VERSION_TABLE).scalar()
+    if not found:
+        return None
+    value = conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
+    return None if value is None else str(value)
+
+
+def check_known(revision: str | None) -> None:
+    """Raise SchemaTooNew unless this code knows ``revision`` (None = empty file, known)."""
+    if revision is None:
+        return
+    known = known_revisions()
+    if revision not in known:
+        raise SchemaTooNew(
+            f"history schema revision {revision!r} is unknown to this AgentKV (it knows "
+            f"{', '.join(known)}; head {known[-1]!r}): the file was written by a newer version. "
+            "Upgrade AgentKV or point it at another file."
+        )
+
+
+def migrate(db_path: Path) -> tuple[str | None, str]:
+    """Upgrade the file in place to the newest schema; returns (from_revision, to_revision).
+
+    Creates the file when missing. Raises SchemaTooNew on a file with an unknown (newer)
+    revision, HistoryError when the file is locked or unreadable. Each revision runs in one
+    transaction (DuckDB DDL is transactional), so a failed upgrade leaves the file as it was.
+    """
+    db_path = Path(db_path)
+    db_path.parent.mkdir(parents=True, exist_ok=True)
+    config = _alembic_config(db_path)
+    try:
+        engine = create_engine(f"duckdb:///{db_path}")
+        conn = engine.connect()
+    except Exception as exc:  # duckdb-engine wraps duckdb.Error in SQLAlchemy's DBAPIError
+        raise _open_error(db_path, exc) from exc
+    try:
+        before = _revision_sa(conn)
+        check_known(before)
+        head = head_revision()
+        if before != head:
+            config.attributes["connection"] = conn
+            command.upgrade(config, "head")
+            conn.commit()
+        after = _revision_sa(conn)
+    finally:
+        conn.close()
+        engine.dispose()
+    if after != head:
+        raise HistoryError(f"{db_path}: migration ended at {after!r}, expected {head!r}")
+    return before, head
