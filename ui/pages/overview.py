@@ -1,0 +1,51 @@
+"""Overview: the daemon's counters from /api/stats, refreshed live."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import streamlit as st
+
+from ui import connection
+from ui.client import ApiError
+
+st.title("AgentKV overview")
+st.caption("Live counters from the policy daemon (`GET /api/stats`).")
+
+
+def _ratio(value: Any) -> str:
+    return "—" if value is None else f"{float(value):.1%}"
+
+
+def _gib(value: Any) -> str:
+    return "—" if value is None else f"{float(value) / 1024**3:,.3f} GiB"
+
+
+@st.fragment(run_every=connection.live_interval())
+def live() -> None:
+    try:
+        stats = connection.client().stats()
+    except ApiError as err:
+        connection.banner(err, what="the daemon's stats")
+        return
+    hit = stats.get("hit_ratio") or {}
+    row1 = st.columns(4)
+    row1[0].metric("policy", str(stats.get("policy", "?")))
+    row1[1].metric("active workflows", f"{int(stats.get('workflows_active') or 0):,}")
+    row1[2].metric("requests", f"{int(stats.get('requests') or 0):,}")
+    row1[3].metric("events", f"{int(stats.get('events') or 0):,}")
+    row2 = st.columns(4)
+    row2[0].metric("GPU hit ratio", _ratio(hit.get("gpu")))
+    row2[1].metric("host hit ratio", _ratio(hit.get("host")))
+    row2[2].metric("written to host", _gib(stats.get("host_written_bytes")))
+    row2[3].metric("loaded from host", _gib(stats.get("host_loaded_bytes")))
+    row3 = st.columns(4)
+    row3[0].metric("write-filter declines", f"{int(stats.get('write_declined_blocks') or 0):,}")
+    row3[1].metric("events shed", _ratio(stats.get("shed_rate")))
+    row3[2].metric("sequence gaps", f"{int(stats.get('seq_gaps') or 0):,}")
+    row3[3].metric("uptime", f"{float(stats.get('uptime_s') or 0):,.0f} s")
+    with st.expander("All counters (raw JSON)"):
+        st.json(stats)
+
+
+live()

@@ -1,0 +1,72 @@
+"""SQL: a read-only query over the daemon's history (POST /api/sql, run by the daemon on its
+published snapshot), with saved example queries; a refusal is shown as an error box."""
+
+from __future__ import annotations
+
+import pandas as pd  # type: ignore[import-untyped]
+import streamlit as st
+
+from ui import connection, tables
+from ui.client import ApiError, DaemonRejectedError
+
+EXAMPLES = {
+    "Hit ratio per minute": """SELECT time_bucket(INTERVAL 1 MINUTE, to_timestamp(ts)) AS minute,
+       sum(gpu_hit_blocks) / nullif(sum(prompt_blocks), 0) AS gpu_hit_ratio,
+       sum(host_hit_blocks) / nullif(sum(prompt_blocks), 0) AS host_hit_ratio,
+       sum(prompt_blocks) AS prompt_blocks
+FROM cache_stats GROUP BY minute ORDER BY minute""",
+    "Top workflows by recomputed blocks": """SELECT workflow_id, workflow_type,
+       count(*) AS requests, sum(recomputed_blocks) AS recomputed_blocks,
+       sum(prompt_blocks) AS prompt_blocks
+FROM requests GROUP BY ALL ORDER BY recomputed_blocks DESC LIMIT 20""",
+    "Prediction accuracy per step": """SELECT step, count(*) AS resolved,
+       avg(CASE WHEN correct THEN 1.0 ELSE 0.0 END) AS accuracy,
+       avg(probability) AS mean_probability
+FROM predictions WHERE correct IS NOT NULL GROUP BY step ORDER BY step""",
+    "Decisions by reason": """SELECT kind, reason, count(*) AS n, sum(n_blocks) AS blocks
+FROM decisions GROUP BY ALL ORDER BY n DESC LIMIT 30""",
+    "Settings changes": """SELECT to_timestamp(ts) AS at, key, old_value, new_value, actor
+FROM settings_changes ORDER BY ts DESC""",
+}
+KEY_SQL = "sql_text"
+KEY_EXAMPLE = "sql_example"
+
+
+def _load_example() -> None:
+    st.session_state[KEY_SQL] = EXAMPLES[st.session_state[KEY_EXAMPLE]]
+
+
+st.title("SQL over the history")
+st.caption(
+    "Read-only DuckDB SQL on the daemon's published history snapshot: no file or network "
+    "access, time and row limits. Tables: requests, block_accesses, decisions, predictions, "
+    "mrc_points, sizing, cache_stats, settings_changes."
+)
+st.session_state.setdefault(KEY_SQL, next(iter(EXAMPLES.values())))
+st.selectbox("Saved examples", list(EXAMPLES), key=KEY_EXAMPLE, on_change=_load_example)
+sql = st.text_area("Query", key=KEY_SQL, height=160)
+controls = st.columns([1, 1, 4])
+max_rows = int(
+    controls[0].number_input("Max rows", min_value=1, max_value=10_000, value=1000, key="sql_max")
+)
+run = controls[1].button("Run query", type="primary", key="sql_run")
+
+if run:
+    try:
+        result = connection.client().sql(sql, max_rows=max_rows)
+    except DaemonRejectedError as err:
+        st.error(f"Query refused: {err}", icon="🚫")
+    except ApiError as err:
+        connection.banner(err, what="the query")
+    else:
+        frame = tables.sql_frame(result)
+        snapshot_ts = result.get("snapshot_ts")
+        as_of = ""
+        if snapshot_ts is not None:
+            when = pd.to_datetime(float(snapshot_ts), unit="s", utc=True)
+            as_of = f" · snapshot of {when:%H:%M:%S} UTC"
+        more = " (truncated at max rows)" if result.get("truncated") else ""
+        st.caption(
+            f"{len(frame):,} rows{more} in {float(result.get('elapsed_ms') or 0):,.1f} ms{as_of}"
+        )
+        st.dataframe(frame, hide_index=True, width="stretch")
