@@ -1,0 +1,208 @@
+"""The daemon's HTTP API (docs/API.md): FastAPI, async handlers, Engine work in the threadpool.
+
+``create_app(service)`` builds the app; ``policyd serve`` runs it with uvicorn, tests run it in a
+thread. Errors are ``{"error": "..."}`` with a 4xx status; admin routes need
+``Authorization: Bearer <token>`` when the service was given a token.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, Literal, TypeVar
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from policyd.daemon import views
+from policyd.daemon.service import Service
+from policyd.history import SqlRefused
+
+T = TypeVar("T")
+U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
+MAX_SQL_ROWS = 10_000
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.extra = extra
+
+
+class EvictBody(BaseModel):
+    tier: Literal["gpu", "host"]
+    candidates: list[U64]
+    n_blocks: int = Field(ge=0)
+
+
+class AdmitBody(BaseModel):
+    request_id: str
+    block_hashes: list[U64]
+
+
+class PrefetchBody(BaseModel):
+    budget_blocks: int = Field(ge=0, le=1_000_000)
+
+
+class SqlBody(BaseModel):
+    sql: str = Field(min_length=1, max_length=100_000)
+    max_rows: int = Field(default=1000, ge=0, le=MAX_SQL_ROWS)
+    format: Literal["json"] = "json"
+
+
+def _json_safe(value: object) -> object:
+    """Values JSON can carry: non-finite floats become null, unknown types their str()."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return str(value)
+
+
+def create_app(service: Service, *, token: str | None = None) -> FastAPI:
+    """The API over ``service``; ``token`` defaults to the service's configured token."""
+    token = token if token is not None else service.settings.token
+    app = FastAPI(title="AgentKV policy daemon", version="1")
+    latency = service.metrics.decision_latency
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse({"error": exc.message, **exc.extra}, status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+            parts.append(f"{where or 'body'}: {err.get('msg')}")
+        return JSONResponse({"error": "; ".join(parts)}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
+
+    def admin(request: Request) -> None:
+        if not token:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), token):
+            raise ApiError(401, "this route needs 'Authorization: Bearer <token>'")
+
+    async def call(fn: Callable[..., T], *args: Any) -> T:
+        return await run_in_threadpool(fn, *args)
+
+    async def timed(route: str, work: Awaitable[T]) -> T:
+        started = time.perf_counter()
+        try:
+            return await work
+        finally:
+            latency.labels(route).observe(time.perf_counter() - started)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        body = await call(service.ready)
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
+
+    @app.get("/api/stats")
+    async def stats() -> Any:
+        return _json_safe(await call(views.stats, service))
+
+    @app.get("/api/predictions")
+    async def predictions(limit: int = Query(50, ge=0, le=500)) -> Any:
+        return _json_safe(await call(views.predictions_view, service, limit))
+
+    @app.get("/api/sizing")
+    async def sizing() -> Any:
+        return _json_safe(service.sizing_view)
+
+    @app.get("/api/timeseries")
+    async def timeseries(minutes: float = Query(60.0, gt=0, le=60 * 24 * 365)) -> Any:
+        return _json_safe({"rows": await call(views.timeseries, service, minutes)})
+
+    @app.get("/api/decisions")
+    async def decisions(
+        limit: int = Query(100, ge=1, le=1000),
+        kind: Literal["evict", "admit", "decline", "prefetch", "pin", "retire"] | None = None,
+        q: str | None = Query(None, max_length=200),
+    ) -> Any:
+        return _json_safe({"decisions": await call(views.decisions_view, service, limit, kind, q)})
+
+    @app.post("/api/decide/evict")
+    async def decide_evict(body: EvictBody) -> Any:
+        return await timed(
+            "evict", call(service.decide_evict, body.tier, body.candidates, body.n_blocks)
+        )
+
+    @app.post("/api/decide/admit")
+    async def decide_admit(body: AdmitBody) -> Any:
+        return await timed("admit", call(service.decide_admit, body.request_id, body.block_hashes))
+
+    @app.post("/api/decide/prefetch")
+    async def decide_prefetch(body: PrefetchBody) -> Any:
+        return await timed("prefetch", call(service.decide_prefetch, body.budget_blocks))
+
+    @app.get("/api/snapshot")
+    async def snapshot() -> Any:
+        return _json_safe(await call(views.snapshot_view, service))
+
+    @app.get("/api/settings")
+    async def get_settings() -> Any:
+        return views.settings_view(service)
+
+    @app.put("/api/settings", dependencies=[Depends(admin)])
+    async def put_settings(request: Request) -> Any:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise ApiError(400, 'the body must be a JSON object {"key": value, ...}') from None
+        if not isinstance(body, dict) or not body:
+            raise ApiError(400, 'the body must be a non-empty JSON object {"key": value, ...}')
+        errors = await call(service.update_settings, body, "api")
+        if errors:
+            summary = "; ".join(f"{k}: {v}" for k, v in errors.items())
+            raise ApiError(400, f"nothing applied: {summary}", errors=errors)
+        return views.settings_view(service)
+
+    @app.get("/api/settings/history")
+    async def settings_history(limit: int = Query(100, ge=1, le=1000)) -> Any:
+        return _json_safe({"changes": await call(views.settings_history, service, limit)})
+
+    @app.post("/api/sql")
+    async def sql(body: SqlBody) -> Any:
+        try:
+            result = await call(views.sql, service, body.sql, body.max_rows)
+        except (SqlRefused, ValueError) as exc:
+            raise ApiError(400, str(exc)) from None
+        return _json_safe(result)
+
+    @app.post("/api/checkpoint", dependencies=[Depends(admin)])
+    async def checkpoint_now() -> Any:
+        return await call(service.save_checkpoint)
+
+    @app.post("/api/history/publish", dependencies=[Depends(admin)])
+    async def publish() -> Any:
+        return await call(service.publish_history)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = await call(service.metrics.render)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

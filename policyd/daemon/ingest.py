@@ -1,0 +1,198 @@
+"""Event ingest: a PULL socket drained into a bounded queue, with load shedding.
+
+Senders are never blocked: the receiver thread takes every frame off the socket as fast as it
+arrives, decodes it (a malformed frame - truncated, wrong protocol version, wrong types, too
+large - is counted and dropped, the daemon keeps serving) and queues the batch for the engine
+worker. Overload is handled here, before the Engine:
+
+* above ``shed_above_frames`` queued batches, block-level events (BlocksStored / BlocksRemoved /
+  BlocksLoaded) are kept with a probability that falls linearly to 0 at ``max_frames``;
+* request-level events (RequestStarted, PrefixHit, RequestFinished, WorkflowFinished,
+  AllBlocksCleared) are never shed, and every batch is queued (if only for its sequence
+  number), so the queue's memory is bounded by ``max_frames`` batches of request-level events;
+* the keep decision is by block hash (a hash threshold, as SHARDS samples), so at a given rate a
+  block's Stored and Removed events are kept or shed together.
+
+While shedding, the Engine's view of residency is a sample; the stats say how much was shed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+import zmq
+
+from policyd.types import (
+    BlocksLoaded,
+    BlocksRemoved,
+    BlocksStored,
+    Codec,
+    CodecError,
+    Event,
+    EventBatch,
+)
+
+log = logging.getLogger(__name__)
+
+BLOCK_LEVEL: Final = (BlocksStored, BlocksRemoved, BlocksLoaded)
+_MASK: Final = (1 << 64) - 1
+_GOLDEN: Final = 0x9E3779B97F4A7C15
+
+
+def keep_rate(depth: int, shed_above: int, max_frames: int) -> float:
+    """Share of block-level events kept at queue ``depth``: 1 up to ``shed_above``, then
+    falling linearly to 0 at ``max_frames``.
+
+    >>> keep_rate(10, 100, 200), keep_rate(150, 100, 200), keep_rate(250, 100, 200)
+    (1.0, 0.5, 0.0)
+    """
+    if depth <= shed_above:
+        return 1.0
+    return max(0.0, 1.0 - (depth - shed_above) / max(1, max_frames - shed_above))
+
+
+def shed(batch: EventBatch, rate: float) -> tuple[EventBatch, int]:
+    """The batch with block-level events sampled at ``rate`` (by their first block hash), and
+    how many events were shed. Request-level events always stay."""
+    if rate >= 1.0:
+        return batch, 0
+    threshold = int(rate * 2.0**64)
+    kept: list[Event] = []
+    for event in batch.events:
+        if type(event) in BLOCK_LEVEL:
+            hashes = event.block_hashes  # type: ignore[union-attr]
+            if not hashes or ((hashes[0] * _GOLDEN) & _MASK) >= threshold:
+                continue
+        kept.append(event)
+    dropped = len(batch.events) - len(kept)
+    if not dropped:
+        return batch, 0
+    return EventBatch(source=batch.source, seq=batch.seq, events=tuple(kept)), dropped
+
+
+@dataclass(slots=True)
+class IngestCounters:
+    frames: int = 0
+    malformed_frames: int = 0
+    events_received: int = 0
+    events_shed: int = 0
+    last_malformed: str = ""
+
+
+@dataclass(slots=True)
+class Received:
+    batch: EventBatch
+    received_ts: float  # wall clock, for the history
+
+
+class IngestQueue:
+    """A bounded hand-off between the receiver and the engine worker (thread-safe)."""
+
+    def __init__(self, max_frames: int, shed_above: int) -> None:
+        self.max_frames = max_frames
+        self.shed_above = shed_above
+        self._items: deque[Received] = deque()
+        self._cond = threading.Condition()
+        self.counters = IngestCounters()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def offer(self, batch: EventBatch, received_ts: float) -> None:
+        """Queue a decoded batch, shedding block-level events under load (never blocks)."""
+        c = self.counters
+        c.events_received += len(batch.events)
+        rate = keep_rate(len(self._items), self.shed_above, self.max_frames)
+        batch, dropped = shed(batch, rate)
+        c.events_shed += dropped
+        # a batch shed to nothing is still queued: the Engine must see its seq (no false gap)
+        with self._cond:
+            self._items.append(Received(batch, received_ts))
+            self._cond.notify()
+
+    def take(self, max_items: int, timeout_s: float) -> list[Received]:
+        """Up to ``max_items`` queued batches, waiting at most ``timeout_s`` for the first."""
+        with self._cond:
+            if not self._items:
+                self._cond.wait(timeout_s)
+            items = self._items
+            n = min(len(items), max_items)
+            return [items.popleft() for _ in range(n)]
+
+
+class Receiver:
+    """Owns the PULL socket; decodes frames into ``queue`` on its own thread."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        queue: IngestQueue,
+        *,
+        max_frame_bytes: int,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.queue = queue
+        self.codec = Codec(EventBatch, max_frame_bytes=max_frame_bytes)
+        self.wall_clock = wall_clock
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 1024)
+        # ZeroMQ drops an oversized message at the transport, before it is buffered
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + 1024)
+        self._sock.bind(endpoint)
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="policyd-ingest", daemon=True)
+        self._last_log_s = -1e9
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        sock, queue, codec, counters = self._sock, self.queue, self.codec, self.queue.counters
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(100):
+                    continue
+                now = self.wall_clock()
+                for _ in range(1024):  # drain what is there, then look at the stop flag
+                    try:
+                        frame = sock.recv(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    counters.frames += 1
+                    try:
+                        batch = codec.decode(frame.buffer)
+                    except CodecError as exc:
+                        counters.malformed_frames += 1
+                        counters.last_malformed = str(exc)[:200]
+                        self._log_malformed(exc)
+                        continue
+                    queue.offer(batch, now)
+        finally:
+            self._sock.close()
+
+    def _log_malformed(self, exc: Exception) -> None:
+        now = time.monotonic()
+        if now - self._last_log_s >= 10.0:
+            self._last_log_s = now
+            log.warning(
+                "rejected a malformed event frame (%d so far): %s",
+                self.queue.counters.malformed_frames,
+                exc,
+            )

@@ -1,0 +1,761 @@
+"""The policy daemon's service: the Engine in a thin shell of threads.
+
+* ingest (``Receiver``): PULL socket -> decoded, shed-under-load batches in a bounded queue;
+* engine worker: applies queued batches to the Engine and feeds the history, the predictions
+  log and the SHARDS estimator;
+* publisher: PUBs ``Engine.snapshot()`` every ``snapshot_interval_s``;
+* housekeeping: ``engine.tick()`` (idle workflows), ``cache_stats`` rows, MRC + sizing rows,
+  history snapshot publication, model checkpoints;
+* optional: the vLLM KV-event subscriber, whose translated batches join the same queue.
+
+Every access to the Engine, the policy, the predictor and the estimator happens under
+``self.lock`` (one ``threading.Lock``): the worker, the publisher, housekeeping and the HTTP
+handlers all take it. The API calls the public methods below; none of them blocks on the
+network or the history writer while holding the lock.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
+
+import msgspec
+import zmq
+
+from policyd.daemon import checkpoint, views
+from policyd.daemon.ingest import IngestQueue, Receiver
+from policyd.daemon.kv_events import KvEventSubscriber
+from policyd.daemon.metrics import Metrics
+from policyd.daemon.predictions import PredictionLog, resize_predictor
+from policyd.daemon.settings import DaemonSettings, default_tunables, validate_tunables
+from policyd.daemon.sizing import compute_sizing, empty_sizing, learn_prompt
+from policyd.engine import Engine
+from policyd.history import History, HistoryConfig
+from policyd.mrc import GiB
+from policyd.policies import POLICIES, Policy, make_policy
+from policyd.predictor import Predictor
+from policyd.shards import Shards
+from policyd.sim.profiles import get_profile
+from policyd.types import (
+    SNAPSHOT_CODEC,
+    TIERS,
+    Admit,
+    BlocksLoaded,
+    BlocksRemoved,
+    BlocksStored,
+    Event,
+    PolicySnapshot,
+    PrefixHit,
+    RequestStarted,
+    Tier,
+    WorkflowFinished,
+    WriteFilter,
+)
+from policyd.wire import SNAPSHOT_TOPIC
+
+log = logging.getLogger(__name__)
+
+PRESSURE_WINDOW_S: Final = 60.0  # EfficientAgent: an eviction in the last 60 s
+TIER_NAMES: Final[dict[str, Tier]] = {"gpu": "gpu", "host": "host"}
+
+# live settings -> the constructor parameter names a policy may take for them
+POLICY_PARAMS: Final[dict[str, tuple[str, ...]]] = {
+    "lookahead_k": ("k", "lookahead_k"),
+    "discount": ("discount",),
+    "prefetch_budget_blocks": ("prefetch_budget_blocks",),
+    "write_filter_mode": ("write_filter_mode",),
+    "write_filter_kappa_chunks": ("write_filter_kappa_chunks", "kappa_chunks", "kappa"),
+    "write_filter_theta": ("write_filter_theta", "theta"),
+    "host_tier_gib": ("host_tier_gib",),
+}
+
+
+class _ServiceEngine(Engine):
+    """The Engine with a hook after each event (the service's bookkeeping)."""
+
+    def __init__(self, policy: Policy, *, hook: Callable[[Event], None], **kw: Any) -> None:
+        super().__init__(policy, **kw)
+        self.hook = hook
+
+    def apply_event(self, event: Event) -> None:
+        super().apply_event(event)
+        self.hook(event)
+
+
+class Service:
+    """One daemon: build with narrow settings, ``start()``, serve, ``stop()``."""
+
+    def __init__(
+        self,
+        settings: DaemonSettings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.lock = threading.RLock()
+        self.tunables: dict[str, object] = default_tunables(settings.policy)
+        profile = get_profile(settings.profile)
+        self.kv_bytes_per_block = profile.kv_bytes_per_block
+        self.gpu_blocks = (
+            settings.gpu_blocks if settings.gpu_blocks is not None else profile.gpu_blocks()
+        )
+        self.started_s = clock()
+        self.predictor = Predictor(k=int(str(self.tunables["lookahead_k"])))
+        self.shards = Shards(
+            rate=settings.shards_rate, max_tracked_blocks=settings.shards_max_tracked_blocks
+        )
+        self.checkpoint_info: dict[str, object] = {
+            "path": str(settings.checkpoint_path),
+            "last_ts": None,
+            "saves": 0,
+            "restored": False,
+            "error": None,
+            "moved_to": None,
+        }
+        self.checkpoint_saves = 0
+        self._restore()
+        self.engine = _ServiceEngine(
+            self._build_policy(str(self.tunables["policy"])),
+            hook=self._observe,
+            clock=clock,
+            snapshot_ttl_s=settings.snapshot_ttl_s,
+            idle_timeout_s=settings.idle_timeout_s,
+        )
+        self.predictions = PredictionLog(wall_clock)
+        self.counts: Counter[str] = Counter()
+        self.decision_counts: Counter[str] = Counter()
+        self._last_host_eviction_s = -1e18
+        self._drift_alarms = 0
+        self._drift_last_ts: float | None = None
+        self._stats_mark: dict[str, int] = {}
+        self._stats_mark_s = clock()
+        self.sizing_view: dict[str, Any] = empty_sizing(
+            self.shards, self.gpu_blocks, self._host_blocks(), self.kv_bytes_per_block
+        )
+        self.snapshot: PolicySnapshot | None = None
+        self.snapshot_published_s: float | None = None
+        self.snapshots_published = 0
+        self._pin_stage: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+        self.history = History(
+            HistoryConfig(
+                db_path=settings.db,
+                block_sample_rate=self.float_setting("block_sample_rate"),
+                retention_s=settings.history_retention_s,
+                flush_interval_s=settings.history_flush_interval_s,
+            ),
+            clock=wall_clock,
+        )
+        self.queue = IngestQueue(settings.ingest_queue_frames, settings.shed_above_frames)
+        self.metrics = Metrics(lambda: views.stats(self))
+        self.receiver: Receiver | None = None
+        self.kv_events: KvEventSubscriber | None = None
+        self.events_endpoint = settings.events
+        self.snapshots_endpoint = settings.snapshots
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._pub_ready = threading.Event()
+        self._publish_now = threading.Event()
+        self._started = False
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Open the history, bind the sockets, start the threads (returns once they listen)."""
+        self.history.start()
+        self.receiver = Receiver(
+            self.settings.events,
+            self.queue,
+            max_frame_bytes=self.settings.max_frame_bytes,
+            wall_clock=self.wall_clock,
+        )
+        self.events_endpoint = self.receiver.endpoint
+        self.receiver.start()
+        for name, target in (
+            ("policyd-engine", self._engine_loop),
+            ("policyd-publisher", self._publish_loop),
+            ("policyd-housekeeping", self._housekeeping_loop),
+        ):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        if not self._pub_ready.wait(10.0):
+            raise RuntimeError("the snapshot publisher did not bind")
+        if self.settings.vllm_events:
+            self.kv_events = KvEventSubscriber(
+                self.settings.vllm_events,
+                lambda batch: self.queue.offer(batch, self.wall_clock()),
+                replay_endpoint=self.settings.vllm_replay,
+                topic=self.settings.vllm_topic,
+                clock=self.clock,
+            )
+            self.kv_events.start()
+        self._started = True
+        log.info(
+            "policyd serving: events %s, snapshots %s, history %s, policy %s",
+            self.events_endpoint,
+            self.snapshots_endpoint,
+            self.settings.db,
+            self.tunables["policy"],
+        )
+
+    def stop(self) -> None:
+        """Drain what was received, flush the history, checkpoint, publish a final snapshot."""
+        if not self._started:
+            return
+        self._started = False
+        if self.kv_events is not None:
+            self.kv_events.stop()
+        if self.receiver is not None:
+            self.receiver.stop()
+        deadline = time.monotonic() + 10.0
+        while len(self.queue) and time.monotonic() < deadline:  # the worker drains it
+            time.sleep(0.01)
+        self._stop.set()
+        self._publish_now.set()  # the publisher sends a final snapshot and returns
+        for thread in self._threads:
+            thread.join(timeout=30.0)
+        self._drain_queue()
+        try:
+            self.save_checkpoint()
+        except Exception:
+            log.exception("final checkpoint failed")
+        self._record_history_rows(final=True)
+        try:
+            self.history.close()  # flushes and publishes the final history snapshot
+        except Exception:
+            log.exception("closing the history failed")
+
+    def ready(self) -> dict[str, bool]:
+        hist = self.history.stats()
+        parts = {
+            "ingest": self.receiver is not None and self.receiver.running,
+            "engine": any(t.name == "policyd-engine" and t.is_alive() for t in self._threads),
+            "history": bool(hist.get("writer_alive")),
+            "snapshots": self._pub_ready.is_set(),
+        }
+        return {"ready": all(parts.values()), **parts}
+
+    # ---- policy and models ---------------------------------------------------------------------
+
+    def _build_policy(self, name: str) -> Policy:
+        """The named policy with the live settings it takes (by constructor parameter name)."""
+        cls = POLICIES[name]
+        accepted = set(inspect.signature(cls.__init__).parameters)
+        params: dict[str, object] = {}
+        for key, names in POLICY_PARAMS.items():
+            for pname in names:
+                if pname in accepted:
+                    params[pname] = self.tunables[key]
+                    break
+        if "predictor" in accepted:
+            resize_predictor(self.predictor, self.int_setting("lookahead_k"))
+            params["predictor"] = self.predictor
+        return make_policy(name, **params)
+
+    def int_setting(self, key: str) -> int:
+        value = self.tunables[key]
+        assert isinstance(value, int)
+        return value
+
+    def float_setting(self, key: str) -> float:
+        value = self.tunables[key]
+        assert isinstance(value, int | float)
+        return float(value)
+
+    def _owns_predictor(self) -> bool:
+        return getattr(self.engine.policy, "predictor", None) is self.predictor
+
+    def _rebuild_policy(self) -> None:
+        """Swap in a freshly built policy; the EngineState, the predictor and the estimator
+        carry over, and the policy's own derived state is recomputed from them."""
+        old = self.engine.policy
+        new = self._build_policy(str(self.tunables["policy"]))
+        state = self.engine.state
+        if hasattr(new, "retired"):
+            new.retired = {b for tier in TIERS for b in state.resident[tier] if state.is_retired(b)}
+        if hasattr(new, "calls_seen"):
+            new.calls_seen = getattr(old, "calls_seen", self.counts["requests"])
+        if not self._owns_predictor() and getattr(new, "predictor", None) is not self.predictor:
+            resize_predictor(self.predictor, self.int_setting("lookahead_k"))
+        self.engine.policy = new
+
+    def _restore(self) -> None:
+        restored = checkpoint.load(self.settings.checkpoint_path)
+        if restored.error is not None:
+            self.checkpoint_info.update(
+                error=restored.error, moved_to=str(restored.moved_to) if restored.moved_to else None
+            )
+        models = restored.models
+        if not models:
+            return
+        predictor, shards = models.get("predictor"), models.get("shards")
+        if isinstance(predictor, Predictor):
+            self.predictor = predictor
+            self.tunables["lookahead_k"] = predictor.k
+        if isinstance(shards, Shards):
+            self.shards = shards
+        saved = models.get("tunables")
+        if isinstance(saved, dict):
+            good, _ = validate_tunables(saved)  # a setting that no longer validates is dropped
+            self.tunables.update(good)
+        self.checkpoint_info["restored"] = True
+
+    def save_checkpoint(self) -> dict[str, object]:
+        with self.lock:
+            models = {
+                "predictor": self.predictor,
+                "shards": self.shards,
+                "tunables": dict(self.tunables),
+            }
+            path = self.settings.checkpoint_path
+            nbytes = checkpoint.save(path, models, wall_clock=self.wall_clock())
+        self.checkpoint_saves += 1
+        self.checkpoint_info.update(
+            last_ts=self.wall_clock(),
+            saves=self.checkpoint_saves,
+        )
+        return {"path": str(path), "bytes": nbytes}
+
+    # ---- the engine worker ---------------------------------------------------------------------
+
+    def _engine_loop(self) -> None:
+        while not self._stop.is_set():
+            self._apply_items(self.queue.take(64, 0.05))
+
+    def _drain_queue(self) -> None:
+        while True:
+            items = self.queue.take(256, 0.0)
+            if not items:
+                return
+            self._apply_items(items)
+
+    def _apply_items(self, items: Sequence[Any]) -> None:
+        if not items:
+            return
+        with self.lock:
+            for item in items:
+                self.engine.apply(item.batch)
+        for item in items:
+            if item.batch.events:
+                self.history.record_batch(item.batch, received_ts=item.received_ts)
+
+    def _observe(self, event: Event) -> None:
+        """Bookkeeping after the Engine and the policy saw ``event`` (under the lock)."""
+        kind = type(event)
+        c = self.counts
+        if kind is RequestStarted:
+            assert isinstance(event, RequestStarted)
+            c["requests"] += 1
+            learn_prompt(self.shards, event.block_hashes, event.prompt_tokens)
+            if not self._owns_predictor():
+                self.predictor.observe_call(
+                    event.workflow_id, event.workflow_type, event.agent, event.hints, event.ts
+                )
+            try:
+                forecast = self.predictor.predict(event.workflow_id)
+            except KeyError:
+                forecast = None
+            wf = self.engine.state.workflows.get(event.workflow_id)
+            wtype = wf.workflow_type if wf is not None else event.workflow_type
+            self.predictions.on_call(event.workflow_id, wtype, event.agent, forecast)
+            alarms = sum(self.predictor.tracker.drifts.values())
+            if alarms > self._drift_alarms:
+                self._drift_alarms, self._drift_last_ts = alarms, self.wall_clock()
+        elif kind is PrefixHit:
+            assert isinstance(event, PrefixHit)
+            c["prompt_blocks"] += event.gpu_blocks + event.host_blocks + event.recomputed_blocks
+            c["gpu_hit_blocks"] += event.gpu_blocks
+            c["host_hit_blocks"] += event.host_blocks
+            c["recomputed_blocks"] += event.recomputed_blocks
+        elif kind is BlocksStored:
+            assert isinstance(event, BlocksStored)
+            if event.tier == "host":
+                c["host_written_bytes"] += len(event.block_hashes) * self.kv_bytes_per_block
+        elif kind is BlocksRemoved:
+            assert isinstance(event, BlocksRemoved)
+            if event.tier == "host":
+                self._last_host_eviction_s = self.clock()
+        elif kind is BlocksLoaded:
+            assert isinstance(event, BlocksLoaded)
+            c["host_loaded_bytes"] += len(event.block_hashes) * self.kv_bytes_per_block
+        elif kind is WorkflowFinished:
+            assert isinstance(event, WorkflowFinished)
+            if not self._owns_predictor():
+                self.predictor.observe_finished(event.workflow_id)
+            self.predictions.on_finished(event.workflow_id)
+            wf = self.engine.state.workflows.get(event.workflow_id)
+            resident = self.engine.state.resident
+            n = (
+                len([b for b in wf.blocks if b in resident["gpu"] or b in resident["host"]])
+                if wf
+                else 0
+            )
+            self._decision(
+                "retire",
+                tier=None,
+                workflow_id=event.workflow_id,
+                n_blocks=n,
+                reason=f"workflow finished ({event.reason}): its {n} cached blocks are retired",
+            )
+
+    # ---- decisions -----------------------------------------------------------------------------
+
+    def _decision(
+        self,
+        kind: str,
+        *,
+        tier: str | None,
+        n_blocks: int,
+        reason: str,
+        request_id: str | None = None,
+        workflow_id: str | None = None,
+    ) -> None:
+        self.decision_counts[kind] += 1
+        self.history.record(
+            "decisions",
+            [
+                {
+                    "ts": self.wall_clock(),
+                    "kind": kind,
+                    "tier": tier,
+                    "request_id": request_id,
+                    "workflow_id": workflow_id,
+                    "n_blocks": n_blocks,
+                    "reason": reason,
+                    "policy": self.engine.policy.name,
+                    "snapshot_version": self.snapshot.version if self.snapshot else None,
+                }
+            ],
+        )
+
+    def decide_evict(self, tier: str, candidates: Sequence[int], n_blocks: int) -> dict[str, Any]:
+        with self.lock:
+            policy = self.engine.policy
+            victims = self.engine.victims(TIER_NAMES[tier], candidates, n_blocks)
+            retired: set[int] = getattr(policy, "retired", set())
+            n_retired = len([b for b in victims if b in retired])
+        if policy.ordering == "recency":
+            reason = "least recently used first"
+        else:
+            reason = f"{policy.name}: lowest score first, ties by recency"
+        if n_retired:
+            reason = f"{n_retired} retired (workflow finished); " + reason
+        self._decision("evict", tier=tier, n_blocks=len(victims), reason=reason)
+        return {"evict": victims, "reason": reason}
+
+    def decide_admit(self, request_id: str, block_hashes: Sequence[int]) -> dict[str, Any]:
+        with self.lock:
+            admit = self.engine.admit(request_id, block_hashes)
+            admit = self._filter_writes(admit)
+            req = self.engine.state.requests.get(request_id)
+            workflow_id = req.workflow_id if req is not None else None
+        self.counts["write_declined_blocks"] += len(admit.declined)
+        if admit.block_hashes:
+            self._decision(
+                "admit",
+                tier="host",
+                n_blocks=len(admit.block_hashes),
+                reason=admit.reason,
+                request_id=request_id,
+                workflow_id=workflow_id,
+            )
+        if admit.declined:
+            self._decision(
+                "decline",
+                tier="host",
+                n_blocks=len(admit.declined),
+                reason=admit.reason,
+                request_id=request_id,
+                workflow_id=workflow_id,
+            )
+        return {
+            "admit": list(admit.block_hashes),
+            "declined": list(admit.declined),
+            "reason": admit.reason,
+        }
+
+    def decide_prefetch(self, budget_blocks: int) -> dict[str, Any]:
+        with self.lock:
+            blocks = self.engine.prefetch(budget_blocks)
+        if blocks:
+            self._decision(
+                "prefetch",
+                tier="gpu",
+                n_blocks=len(blocks),
+                reason=f"{self.engine.policy.name}: blocks of likely next agents",
+            )
+        return {"prefetch": blocks}
+
+    # ---- write filter (EfficientAgent) on top of the policy -------------------------------------
+
+    def _host_blocks(self) -> int:
+        return int(self.float_setting("host_tier_gib") * GiB // self.kv_bytes_per_block)
+
+    def _pressure(self) -> bool:
+        """Working set > host capacity, occupancy >= theta, a host eviction in the last 60 s."""
+        capacity = self._host_blocks()
+        ws = self.sizing_view.get("working_set_blocks")
+        occupancy = len(self.engine.state.resident["host"]) / capacity if capacity else 1.0
+        recent = self.clock() - self._last_host_eviction_s <= PRESSURE_WINDOW_S
+        return (
+            ws is not None
+            and ws > capacity
+            and occupancy >= self.float_setting("write_filter_theta")
+            and recent
+        )
+
+    def _write_filter(self) -> WriteFilter:
+        mode = self.tunables["write_filter_mode"]
+        if mode not in ("fixed", "conditioned"):
+            return WriteFilter()
+        kappa = self.int_setting("write_filter_kappa_chunks")
+        return WriteFilter(mode=mode, max_new_blocks=kappa, pressure=self._pressure())
+
+    def _filter_writes(self, admit: Admit) -> Admit:
+        wf = self._write_filter()
+        if wf.mode == "none" or (wf.mode == "conditioned" and not wf.pressure):
+            return admit
+        host = self.engine.state.resident["host"]
+        new = [b for b in admit.block_hashes if b not in host]
+        if len(new) <= wf.max_new_blocks:
+            return admit
+        why = "under pressure" if wf.mode == "conditioned" else "fixed filter"
+        return Admit(
+            request_id=admit.request_id,
+            block_hashes=tuple(b for b in admit.block_hashes if b in host),
+            declined=tuple(admit.declined) + tuple(new),
+            reason=f"write filter ({why}): {len(new)} new blocks > kappa {wf.max_new_blocks}",
+        )
+
+    # ---- snapshots -----------------------------------------------------------------------------
+
+    def build_snapshot(self) -> PolicySnapshot:
+        """The policy's snapshot plus the shell's write filter and staging (under the lock)."""
+        with self.lock:
+            snap = self.engine.snapshot()
+            changes: dict[str, object] = {}
+            if snap.write_filter == WriteFilter():
+                wf = self._write_filter()
+                if wf != snap.write_filter:
+                    changes["write_filter"] = wf
+            budget = self.int_setting("prefetch_budget_blocks")
+            if budget > 0 and not snap.stage:
+                changes["stage"] = tuple(self.engine.prefetch(budget))
+            if changes:
+                snap = msgspec.structs.replace(snap, **changes)
+            self.snapshot = snap
+        pin_stage = (snap.pin, snap.stage)
+        if pin_stage != self._pin_stage:
+            self._pin_stage = pin_stage
+            if snap.pin:
+                self._decision(
+                    "pin",
+                    tier="gpu",
+                    n_blocks=len(snap.pin),
+                    reason=f"snapshot {snap.version}: pinned on the GPU",
+                )
+            if snap.stage:
+                self._decision(
+                    "prefetch",
+                    tier="host",
+                    n_blocks=len(snap.stage),
+                    reason=f"snapshot {snap.version}: staged for predicted agents",
+                )
+        return snap
+
+    def _publish_loop(self) -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        sock = ctx.socket(zmq.PUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 16)
+        try:
+            sock.bind(self.settings.snapshots)
+        except zmq.ZMQError as exc:
+            log.error("cannot bind the snapshot endpoint %s: %s", self.settings.snapshots, exc)
+            sock.close()
+            return
+        self.snapshots_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._pub_ready.set()
+        try:
+            while True:
+                try:
+                    snap = self.build_snapshot()
+                    sock.send_multipart([SNAPSHOT_TOPIC, SNAPSHOT_CODEC.encode(snap)], zmq.NOBLOCK)
+                    self.snapshot_published_s = self.clock()
+                    self.snapshots_published += 1
+                except zmq.Again:
+                    pass
+                except Exception:
+                    log.exception("building or publishing a snapshot failed")
+                if self._stop.is_set():
+                    return  # the final snapshot went out above
+                interval = self.float_setting("snapshot_interval_s")
+                self._publish_now.wait(interval)
+                self._publish_now.clear()
+        finally:
+            sock.close()
+
+    # ---- housekeeping --------------------------------------------------------------------------
+
+    def _housekeeping_loop(self) -> None:
+        s = self.settings
+        now = self.clock()
+        due = {
+            "tick": now + s.tick_interval_s,
+            "stats": now + s.stats_interval_s,
+            "sizing": now + min(2.0, s.sizing_interval_s),
+            "publish": now + self.float_setting("history_publish_interval_s"),
+            "checkpoint": now + s.checkpoint_interval_s,
+        }
+        jobs: dict[str, Callable[[], None]] = {
+            "tick": self._tick,
+            "stats": self._cache_stats_row,
+            "sizing": self._sizing_job,
+            "publish": self._publish_job,
+            "checkpoint": self._checkpoint_job,
+        }
+        while not self._stop.wait(0.1):
+            now = self.clock()
+            for name, when in list(due.items()):
+                if now < when:
+                    continue
+                try:
+                    jobs[name]()
+                except Exception:
+                    log.exception("housekeeping job %s failed", name)
+                due[name] = self.clock() + self._interval(name)
+            self._record_history_rows()
+
+    def _interval(self, name: str) -> float:
+        s = self.settings
+        return {
+            "tick": s.tick_interval_s,
+            "stats": s.stats_interval_s,
+            "sizing": s.sizing_interval_s,
+            "publish": self.float_setting("history_publish_interval_s"),
+            "checkpoint": s.checkpoint_interval_s,
+        }[name]
+
+    def _publish_job(self) -> None:
+        self.publish_history()
+
+    def _checkpoint_job(self) -> None:
+        self.save_checkpoint()
+
+    def _sizing_job(self) -> None:
+        self.refresh_sizing()
+
+    def _tick(self) -> None:
+        with self.lock:
+            self.engine.tick()
+
+    def _record_history_rows(self, final: bool = False) -> None:
+        with self.lock:
+            rows = self.predictions.take_rows(include_pending=final)
+        if rows:
+            self.history.record("predictions", rows)
+
+    def _cache_stats_row(self) -> None:
+        keys = (
+            "requests",
+            "prompt_blocks",
+            "gpu_hit_blocks",
+            "host_hit_blocks",
+            "recomputed_blocks",
+            "host_written_bytes",
+            "host_loaded_bytes",
+            "write_declined_blocks",
+        )
+        with self.lock:
+            current = {k: self.counts[k] for k in keys}
+            current["events"] = self.engine.state.counters.events
+        current["events_shed"] = self.queue.counters.events_shed
+        now = self.clock()
+        row: dict[str, object] = {
+            "ts": self.wall_clock(),
+            "interval_s": now - self._stats_mark_s,
+            "lru_recomputed_blocks": None,
+        }
+        row.update({k: v - self._stats_mark.get(k, 0) for k, v in current.items()})
+        self._stats_mark, self._stats_mark_s = current, now
+        self.history.record("cache_stats", [row])
+
+    def refresh_sizing(self) -> dict[str, Any]:
+        with self.lock:
+            agents = len(self.engine.state.active_workflows())
+            view, mrc_rows, sizing_row = compute_sizing(
+                self.shards,
+                kv_bytes_per_block=self.kv_bytes_per_block,
+                gpu_blocks=self.gpu_blocks,
+                host_blocks=self._host_blocks(),
+                agents=agents,
+                coverage=self.settings.sizing_coverage,
+                ts=self.wall_clock(),
+            )
+            self.sizing_view = view
+        if mrc_rows:
+            self.history.record("mrc_points", mrc_rows)
+            self.history.record("sizing", [sizing_row])
+        return view
+
+    def publish_history(self) -> dict[str, str]:
+        path = self.history.publish_snapshot()
+        return {"snapshot_path": str(path)}
+
+    # ---- settings ------------------------------------------------------------------------------
+
+    def update_settings(self, changes: Mapping[str, object], actor: str = "api") -> dict[str, str]:
+        """Validate everything, then apply live; returns errors per key (nothing applied if any)."""
+        good, errors = validate_tunables(changes)
+        if errors:
+            return errors
+        rows = []
+        with self.lock:
+            old = dict(self.tunables)
+            changed = {k: v for k, v in good.items() if old[k] != v}
+            self.tunables.update(changed)
+            if changed.keys() & {"policy", *POLICY_PARAMS}:
+                try:
+                    self._rebuild_policy()
+                except Exception as exc:  # a policy that refuses its params: roll back
+                    self.tunables = old
+                    self._rebuild_policy()
+                    return {
+                        k: f"rejected by policy {good.get('policy', old['policy'])}: {exc}"
+                        for k in changed
+                    }
+            if "block_sample_rate" in changed:
+                self._set_block_sample_rate(self.float_setting("block_sample_rate"))
+            for k, v in changed.items():
+                rows.append(
+                    {
+                        "ts": self.wall_clock(),
+                        "key": k,
+                        "old_value": json.dumps(old[k]),
+                        "new_value": json.dumps(v),
+                        "actor": actor,
+                    }
+                )
+        if rows:
+            self.history.record("settings_changes", rows)
+        if "snapshot_interval_s" in changed or "policy" in changed:
+            self._publish_now.set()
+        return {}
+
+    def _set_block_sample_rate(self, rate: float) -> None:
+        setter = getattr(self.history, "set_block_sample_rate", None)
+        if setter is not None:
+            setter(rate)
+        else:  # the history store has no setter yet: its fan-out reads the attribute per batch
+            fanout = getattr(self.history, "_fanout", None)
+            if fanout is not None:
+                fanout.block_sample_rate = rate

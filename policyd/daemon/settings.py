@@ -1,0 +1,293 @@
+"""The daemon's settings: one declared table, read once (defaults < POLICYD_* env < flags).
+
+Two kinds. ``DaemonSettings`` are fixed for the life of the process (endpoints, paths, the token).
+``TUNABLES`` are the knobs the HTTP API and the dashboard change live; each is declared once
+with its type, bounds and help, and ``validate_tunables`` checks a whole change set before any
+of it is applied. Constructors elsewhere receive narrow values, never these objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Final
+
+from policyd.policies import POLICIES
+from policyd.sim.profiles import PROFILES
+from policyd.wire import (
+    DEFAULT_EVENTS_ENDPOINT,
+    DEFAULT_HTTP_HOST,
+    DEFAULT_HTTP_PORT,
+    DEFAULT_SNAPSHOT_ENDPOINT,
+)
+
+ENV_PREFIX: Final = "POLICYD_"
+
+
+def _help(text: str, **extra: Any) -> Any:
+    return field(metadata={"help": text, **extra})
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonSettings:
+    """Everything ``policyd serve`` is configured with; see ``describe()`` for the help text."""
+
+    db: Path = field(
+        default=Path("policyd-history.duckdb"),
+        metadata={"help": "History DuckDB file (created and migrated when missing)."},
+    )
+    events: str = field(
+        default=DEFAULT_EVENTS_ENDPOINT,
+        metadata={"help": "ZeroMQ endpoint the daemon binds a PULL socket on for event batches."},
+    )
+    snapshots: str = field(
+        default=DEFAULT_SNAPSHOT_ENDPOINT,
+        metadata={"help": "ZeroMQ endpoint the daemon binds a PUB socket on for snapshots."},
+    )
+    http_host: str = field(
+        default=DEFAULT_HTTP_HOST,
+        metadata={"help": "HTTP API bind address (loopback by default)."},
+    )
+    http_port: int = field(
+        default=DEFAULT_HTTP_PORT, metadata={"help": "HTTP API port (0: pick a free one)."}
+    )
+    token: str | None = field(
+        default=None,
+        metadata={
+            "help": "Bearer token required on admin routes (settings writes, checkpoint).",
+            "env": "POLICYD_API_TOKEN",
+        },
+    )
+    policy: str = field(default="pbkv", metadata={"help": "Policy at start (a tunable later)."})
+    profile: str = field(
+        default="h200-llama3.1-8b",
+        metadata={"help": "Hardware/model profile: KV bytes per block, GPU and host sizes."},
+    )
+    gpu_blocks: int | None = field(
+        default=None, metadata={"help": "GPU KV blocks for sizing (default: the profile's)."}
+    )
+    vllm_events: str | None = field(
+        default=None,
+        metadata={"help": "vLLM KV-events PUB endpoint to subscribe to (tcp://host:port)."},
+    )
+    vllm_replay: str | None = field(
+        default=None, metadata={"help": "vLLM KV-events replay (ROUTER) endpoint for gaps."}
+    )
+    vllm_topic: str = field(default="", metadata={"help": "vLLM KV-events topic ('' = all)."})
+    checkpoint_dir: Path | None = field(
+        default=None,
+        metadata={"help": "Directory for model checkpoints (default: next to the db)."},
+    )
+    checkpoint_interval_s: float = field(
+        default=60.0, metadata={"help": "Seconds between periodic model checkpoints."}
+    )
+    ingest_queue_frames: int = field(
+        default=4096,
+        metadata={"help": "Frames buffered between the PULL socket and the Engine (hard bound)."},
+    )
+    shed_above_frames: int = field(
+        default=256,
+        metadata={"help": "Queue depth above which block-level events are sampled (shed)."},
+    )
+    max_frame_bytes: int = field(
+        default=8 * 1024 * 1024,
+        metadata={"help": "Event frames larger than this are rejected as malformed."},
+    )
+    tick_interval_s: float = field(
+        default=1.0, metadata={"help": "Seconds between idle-workflow checks (engine.tick)."}
+    )
+    idle_timeout_s: float = field(
+        default=600.0, metadata={"help": "A workflow idle this long is inferred finished."}
+    )
+    snapshot_ttl_s: float = field(
+        default=5.0, metadata={"help": "TTL written into each published snapshot."}
+    )
+    stats_interval_s: float = field(
+        default=5.0, metadata={"help": "Seconds per cache_stats row in the history."}
+    )
+    sizing_interval_s: float = field(
+        default=10.0, metadata={"help": "Seconds between MRC + sizing rows in the history."}
+    )
+    shards_rate: float = field(
+        default=0.1, metadata={"help": "SHARDS starting sampling rate of the MRC estimator."}
+    )
+    shards_max_tracked_blocks: int = field(
+        default=8192, metadata={"help": "SHARDS fixed-size bound on tracked blocks."}
+    )
+    sizing_coverage: float = field(
+        default=0.9, metadata={"help": "Share of achievable reuse the host-tier size targets."}
+    )
+    history_flush_interval_s: float = field(
+        default=0.5, metadata={"help": "History writer flush interval."}
+    )
+    history_retention_s: float | None = field(
+        default=None, metadata={"help": "Drop history rows older than this (None: keep)."}
+    )
+
+    @classmethod
+    def load(cls, overrides: Mapping[str, object] | None = None) -> DaemonSettings:
+        """Defaults, then ``POLICYD_<NAME>`` environment variables, then ``overrides`` (flags;
+        ``None`` values are ignored). Raises ``ValueError`` naming the bad variable."""
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            env = f.metadata.get("env", ENV_PREFIX + f.name.upper())
+            raw = os.environ.get(env)
+            if raw is not None:
+                try:
+                    values[f.name] = _parse(f.type, raw)
+                except ValueError as exc:
+                    raise ValueError(f"{env}={raw!r}: {exc}") from None
+        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        settings = cls(**values)  # type: ignore[arg-type]
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        if self.policy not in online_policies():
+            raise ValueError(
+                f"unknown policy {self.policy!r}; valid: {', '.join(online_policies())}"
+            )
+        if self.profile not in PROFILES:
+            raise ValueError(f"unknown profile {self.profile!r}; valid: {', '.join(PROFILES)}")
+        if self.shed_above_frames >= self.ingest_queue_frames:
+            raise ValueError("shed_above_frames must be below ingest_queue_frames")
+
+    @property
+    def checkpoint_path(self) -> Path:
+        base = self.checkpoint_dir if self.checkpoint_dir is not None else self.db.parent
+        return base / (self.db.stem + ".model.ckpt")
+
+    def replace(self, **changes: object) -> DaemonSettings:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    @classmethod
+    def describe(cls) -> list[tuple[str, str, str]]:
+        """(field, environment variable, help) for every setting: the documentation."""
+        return [
+            (f.name, f.metadata.get("env", ENV_PREFIX + f.name.upper()), f.metadata["help"])
+            for f in fields(cls)
+        ]
+
+
+def _parse(kind: object, raw: str) -> object:
+    text = str(kind)
+    if "Path" in text:
+        return Path(raw)
+    if text.startswith("int"):
+        return int(raw)
+    if text.startswith("float"):
+        return float(raw)
+    return raw
+
+
+def online_policies() -> list[str]:
+    """Registered policies the daemon can run (offline oracles need the future)."""
+    return sorted(name for name, cls in POLICIES.items() if cls.ordering != "oracle")
+
+
+# ---- live tunables -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Tunable:
+    key: str
+    type: type
+    default: object
+    help: str
+    choices: tuple[str, ...] | None = None
+    min: float | None = None
+    max: float | None = None
+    min_exclusive: bool = False
+
+    def check(self, value: object) -> object:
+        """The value converted to ``type``, or ``ValueError`` saying what is wrong."""
+        if self.type is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{self.key} must be an integer, got {value!r}")
+        elif self.type is float:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{self.key} must be a number, got {value!r}")
+            value = float(value)
+            if not math.isfinite(value):
+                raise ValueError(f"{self.key} must be finite, got {value!r}")
+        elif not isinstance(value, str):
+            raise ValueError(f"{self.key} must be a string, got {value!r}")
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{self.key} must be one of {', '.join(self.choices)}, got {value!r}")
+        if isinstance(value, int | float):
+            if self.min is not None and (
+                value <= self.min if self.min_exclusive else value < self.min
+            ):
+                op = ">" if self.min_exclusive else ">="
+                raise ValueError(f"{self.key} must be {op} {self.min}, got {value!r}")
+            if self.max is not None and value > self.max:
+                raise ValueError(f"{self.key} must be <= {self.max}, got {value!r}")
+        return value
+
+    def describe(self, value: object) -> dict[str, object]:
+        return {
+            "key": self.key,
+            "value": value,
+            "type": self.type.__name__,
+            "help": self.help,
+            "choices": list(self.choices) if self.choices is not None else None,
+            "min": self.min,
+            "max": self.max,
+            "min_exclusive": self.min_exclusive,
+        }
+
+
+def tunables() -> dict[str, Tunable]:
+    """The live knobs (names final; HTTP_API.md), in display order."""
+    items = [
+        Tunable("policy", str, "pbkv", "Eviction/admission/prefetch policy.",
+                choices=tuple(online_policies())),
+        Tunable("lookahead_k", int, 3, "Steps of next-agent lookahead (PBKV's K).", min=1, max=8),
+        Tunable("discount", float, 0.8, "Weight of step k+1 relative to step k in the lookahead "
+                "score (PBKV's gamma).", min=0.0, max=1.0, min_exclusive=True),
+        Tunable("prefetch_budget_blocks", int, 0, "Blocks staged/prefetched per snapshot "
+                "(0: no prefetch).", min=0),
+        Tunable("write_filter_mode", str, "none", "Host-tier write filter: none = write all, "
+                "fixed = always decline large refills, conditioned = only under pressure "
+                "(EfficientAgent).", choices=("none", "fixed", "conditioned")),
+        Tunable("write_filter_kappa_chunks", int, 8, "A request adding more new blocks than "
+                "this is a large refill the filter may decline (EfficientAgent's kappa).", min=1),
+        Tunable("write_filter_theta", float, 0.95, "Host-tier occupancy at or above which the "
+                "tier counts as under pressure.", min=0.0, max=1.0, min_exclusive=True),
+        Tunable("host_tier_gib", float, 256.0, "Current host-tier size (sizing and pressure).",
+                min=0.0),
+        Tunable("block_sample_rate", float, 1.0, "Share of block-level rows the history keeps.",
+                min=0.0, max=1.0, min_exclusive=True),
+        Tunable("snapshot_interval_s", float, 0.5, "Seconds between published snapshots.",
+                min=0.0, min_exclusive=True),
+        Tunable("history_publish_interval_s", float, 30.0, "Seconds between published history "
+                "snapshot files (what SQL reads).", min=0.0, min_exclusive=True),
+    ]  # fmt: skip
+    return {t.key: t for t in items}
+
+
+def validate_tunables(changes: Mapping[str, object]) -> tuple[dict[str, object], dict[str, str]]:
+    """(converted values, errors per key). Apply only when ``errors`` is empty."""
+    known = tunables()
+    good: dict[str, object] = {}
+    errors: dict[str, str] = {}
+    for key, value in changes.items():
+        tunable = known.get(key)
+        if tunable is None:
+            errors[key] = f"unknown setting {key!r}; valid: {', '.join(known)}"
+            continue
+        try:
+            good[key] = tunable.check(value)
+        except ValueError as exc:
+            errors[key] = str(exc)
+    return good, errors
+
+
+def default_tunables(policy: str) -> dict[str, object]:
+    values = {key: t.default for key, t in tunables().items()}
+    values["policy"] = policy
+    return values
