@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from policyd import cli_history
 from policyd.bench import (
     BenchSpec,
     bench_json,
@@ -146,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     tput.add_argument("--refs", type=int, default=1_000_000, help="trace size in block references")
     tput.add_argument("--concurrency", type=int, default=16)
     tput.add_argument("--seed", type=int, default=0)
+    cli_history.add_parsers(sub)
     return parser
 
 
@@ -207,6 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     commands = {"bench": _bench, "throughput": _throughput, "trace": _trace}
+    commands.update(cli_history.COMMANDS)
     try:
         return commands[args.command](args, argv)
     except ValueError as exc:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import duckdb
-from alembic import command
-from alembic.config import Config
-from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, create_engine
+
+if TYPE_CHECKING:  # Alembic and SQLAlchemy load only when a migration runs (~0.7 s)
+    from alembic.config import Config
+    from sqlalchemy import Connection
 
 SCRIPT_LOCATION: Final = Path(__file__).resolve().parents[2] / "migrations"
 
@@ -29,6 +29,8 @@ class SchemaTooNew(HistoryError):  # noqa: N818 (the name is the contract, HISTO
 
 
 def _alembic_config(db_path: Path) -> Config:
+    from alembic.config import Config  # noqa: PLC0415 - loads only when migrating
+
     if not (SCRIPT_LOCATION / "env.py").is_file():
         raise HistoryError(
             f"Alembic scripts not found at {SCRIPT_LOCATION}: run from a checkout or an editable "
@@ -42,6 +44,8 @@ def _alembic_config(db_path: Path) -> Config:
 
 def head_revision() -> str:
     """The newest revision this code knows."""
+    from alembic.script import ScriptDirectory  # noqa: PLC0415
+
     head = ScriptDirectory.from_config(_alembic_config(Path("unused"))).get_current_head()
     if head is None:
         raise HistoryError(f"no revisions under {SCRIPT_LOCATION / 'versions'}")
@@ -50,6 +54,8 @@ def head_revision() -> str:
 
 def known_revisions() -> list[str]:
     """Every revision this code knows, oldest first."""
+    from alembic.script import ScriptDirectory  # noqa: PLC0415
+
     script = ScriptDirectory.from_config(_alembic_config(Path("unused")))
     return [rev.revision for rev in reversed(list(script.walk_revisions()))]
 
@@ -111,13 +117,17 @@ def check_known(revision: str | None) -> None:
         )
 
 
-def migrate(db_path: Path) -> tuple[str | None, str]:
+def migrate(db_path: Path, *, revision: str = "head") -> tuple[str | None, str]:
     """Upgrade the file in place to the newest schema; returns (from_revision, to_revision).
 
     Creates the file when missing. Raises SchemaTooNew on a file with an unknown (newer)
     revision, HistoryError when the file is locked or unreadable. Each revision runs in one
     transaction (DuckDB DDL is transactional), so a failed upgrade leaves the file as it was.
+    ``revision`` stops at an older revision instead (tests build previous-version files so).
     """
+    from alembic import command  # noqa: PLC0415 - Alembic loads only when migrating
+    from sqlalchemy import create_engine  # noqa: PLC0415
+
     db_path = Path(db_path)
     db_path.parent.mkdir(parents=True, exist_ok=True)
     config = _alembic_config(db_path)
@@ -129,10 +139,10 @@ def migrate(db_path: Path) -> tuple[str | None, str]:
     try:
         before = _revision_sa(conn)
         check_known(before)
-        head = head_revision()
+        head = head_revision() if revision == "head" else revision
         if before != head:
             config.attributes["connection"] = conn
-            command.upgrade(config, "head")
+            command.upgrade(config, head)
             conn.commit()
         after = _revision_sa(conn)
     finally:

@@ -1,0 +1,190 @@
+"""``policyd migrate`` and ``policyd sql``: the history file from the command line.
+
+``policyd sql`` works whether or not the daemon runs: it reads the published snapshot when that
+is current, else the live file read-only, else (the daemon holds the live file) the last
+snapshot. Every failure is one line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import decimal
+import io
+import json
+import sys
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from policyd.history.files import default_db_path
+from policyd.history.migrate import HistoryError
+
+if TYPE_CHECKING:
+    from policyd.history.safe_sql import QueryResult
+
+EXIT_REFUSED: Final = 2  # the query was refused or failed
+EXIT_UNAVAILABLE: Final = 3  # no readable history file (locked, missing, too new)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected positive seconds, got {text!r}")
+    return value
+
+
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``migrate`` and ``sql`` on the ``policyd`` subcommand parser."""
+    db_help = "history file (default: $POLICYD_DB or ./policyd-history.duckdb)"
+    mig = sub.add_parser(
+        "migrate",
+        help="create or upgrade the history file to the newest schema",
+        description="Upgrades in place (Alembic revisions under migrations/); refuses a file "
+        "written by a newer AgentKV. Stop the daemon first: it holds the file.",
+    )
+    mig.add_argument("--db", type=Path, help=db_help)
+
+    sql = sub.add_parser(
+        "sql",
+        help="run one read-only SELECT over the history",
+        description="One SELECT, read-only, no file or network access, with time, memory and "
+        "row limits. Reads the daemon's published snapshot (or the live file when no daemon "
+        "holds it). Tables: requests, block_accesses, decisions, predictions, mrc_points, "
+        "sizing, cache_stats, settings_changes.",
+    )
+    sql.add_argument("query", help='e.g. "SELECT agent, count(*) FROM requests GROUP BY 1"')
+    sql.add_argument("--db", type=Path, help=db_help)
+    sql.add_argument("--snapshot", type=Path, help="snapshot file (default: next to --db)")
+    sql.add_argument("--format", choices=sorted(FORMATS), default="table")
+    sql.add_argument("--max-rows", type=_positive_int, default=1000, help="row cap (default 1000)")
+    sql.add_argument(
+        "--timeout-s", type=_positive_float, default=10.0, help="time limit (default 10 s)"
+    )
+    sql.add_argument("--memory-limit", default="256MB", help="memory limit (default 256MB)")
+
+
+def _fail(command: str, message: str, code: int) -> int:
+    print(f"policyd {command}: {message}", file=sys.stderr)
+    return code
+
+
+def run_migrate(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from policyd.history.migrate import migrate  # noqa: PLC0415 - Alembic only when asked
+
+    db = args.db or default_db_path()
+    try:
+        before, after = migrate(db)
+    except HistoryError as exc:  # SchemaTooNew included
+        return _fail("migrate", str(exc), EXIT_UNAVAILABLE)
+    if before == after:
+        print(f"{db}: schema already at revision {after}")
+    else:
+        print(f"{db}: migrated from revision {before or '(empty)'} to {after}")
+    return 0
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, dt.datetime | dt.date | dt.time):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal | uuid.UUID):
+        return str(value)
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return value
+
+
+def _render_json(result: QueryResult, source: Path) -> str:
+    rows = [dict(zip(result.columns, map(_jsonable, row), strict=True)) for row in result.rows]
+    body = {
+        "columns": result.columns,
+        "rows": rows,
+        "truncated": result.truncated,
+        "elapsed_ms": round(result.elapsed_ms, 3),
+        "source": str(source),
+    }
+    return json.dumps(body, default=str)
+
+
+def _render_csv(result: QueryResult, source: Path) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(result.columns)
+    writer.writerows(result.rows)
+    return out.getvalue().rstrip("\n")
+
+
+def _render_table(result: QueryResult, source: Path) -> Group:
+    note = f"{len(result.rows)} rows in {result.elapsed_ms:.0f} ms from {source}"
+    if result.truncated:
+        note += " (truncated: raise --max-rows)"
+    table = Table()
+    for name in result.columns:
+        table.add_column(name, overflow="fold")
+    for row in result.rows:
+        table.add_row(*("NULL" if v is None else str(v) for v in row))
+    return Group(table, Text(note, style="dim"))
+
+
+FORMATS: Final[dict[str, Callable[[QueryResult, Path], object]]] = {
+    "table": _render_table,
+    "csv": _render_csv,
+    "json": _render_json,
+}
+
+
+def run_sql(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from policyd.history.safe_sql import SqlRefused, query_history  # noqa: PLC0415
+
+    db = args.db or default_db_path()
+    try:
+        result, source = query_history(
+            db,
+            args.query,
+            snapshot_path=args.snapshot,
+            max_rows=args.max_rows,
+            timeout_s=args.timeout_s,
+            memory_limit=args.memory_limit,
+        )
+    except SqlRefused as exc:
+        return _fail("sql", str(exc), EXIT_REFUSED)
+    except HistoryError as exc:
+        return _fail("sql", str(exc), EXIT_UNAVAILABLE)
+    rendered = FORMATS[args.format](result, source)
+    if isinstance(rendered, str):
+        print(rendered)
+        if result.truncated:
+            print(f"policyd sql: truncated at {args.max_rows} rows", file=sys.stderr)
+    else:
+        console = Console()
+        (console if console.is_terminal else Console(width=200)).print(rendered)
+    return 0
+
+
+COMMANDS: Final[dict[str, Callable[[argparse.Namespace, Sequence[str]], int]]] = {
+    "migrate": run_migrate,
+    "sql": run_sql,
+}

@@ -1,0 +1,316 @@
+"""The history writer on real DuckDB files: events and rows in, snapshot out, read back through
+the locked-down query path and by plain DuckDB connections."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pytest
+
+from policyd.history import (
+    DEFAULT_DB_PATH,
+    History,
+    HistoryConfig,
+    SchemaTooNew,
+    default_db_path,
+    default_snapshot_path,
+    migrate,
+    run_readonly_query,
+)
+from policyd.history.fanout import block_keep_mask
+from policyd.types import (
+    BlocksLoaded,
+    BlocksRemoved,
+    BlocksStored,
+    EventBatch,
+    PrefixHit,
+    RequestFinished,
+    RequestStarted,
+    WorkflowFinished,
+)
+
+NOW = 1_800_000_000.0
+
+
+class FakeClock:
+    def __init__(self, now: float = NOW) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def config(tmp_path: Path, **kw: object) -> HistoryConfig:
+    kw.setdefault("snapshot_interval_s", None)
+    return HistoryConfig(db_path=tmp_path / "h.duckdb", **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def history(tmp_path: Path) -> Iterator[History]:
+    h = History(config(tmp_path), clock=FakeClock())
+    h.start()
+    yield h
+    h.close()
+
+
+def started(rid: str, hashes: tuple[int, ...], ts: float = 1.0) -> RequestStarted:
+    return RequestStarted(
+        ts=ts,
+        request_id=rid,
+        workflow_id="w1",
+        agent="planner",
+        workflow_type="fact-check",
+        block_hashes=hashes,
+        prompt_tokens=16 * len(hashes),
+    )
+
+
+def test_event_batches_round_trip_through_a_snapshot(history: History) -> None:
+    first = EventBatch(
+        source="vllm-0",
+        seq=1,
+        events=(
+            started("r1", (11, 12, 13, 2**64 - 1)),
+            PrefixHit(ts=1.1, request_id="r1", gpu_blocks=1, host_blocks=2, recomputed_blocks=1),
+            BlocksStored(ts=1.2, tier="gpu", block_hashes=(21, 22), request_id="r1"),
+            started("r2", (11, 31)),
+        ),
+    )
+    history.record_batch(first, received_ts=NOW)
+    history.flush()  # r1 and r2 are on disk before their finish arrives: a real UPDATE
+    second = EventBatch(
+        source="vllm-0",
+        seq=2,
+        events=(
+            RequestFinished(ts=2.0, request_id="r1", output_tokens=5),
+            BlocksRemoved(ts=2.1, tier="host", block_hashes=(12,)),
+            BlocksLoaded(ts=2.2, block_hashes=(13,), request_id="r2"),
+            WorkflowFinished(ts=2.3, workflow_id="w1"),
+            RequestFinished(ts=2.4, request_id="never-started"),
+        ),
+    )
+    history.record_batch(second, received_ts=NOW + 1)
+    history.record(
+        "decisions",
+        [{"ts": NOW, "kind": "evict", "tier": "gpu", "n_blocks": 2, "reason": "retired"}],
+    )
+    snapshot = history.publish_snapshot()
+    assert snapshot == default_snapshot_path(history.config.db_path)
+
+    requests = run_readonly_query(
+        snapshot,
+        "SELECT request_id, source, agent, prompt_blocks, gpu_hit_blocks, host_hit_blocks, "
+        "recomputed_blocks, finished_ts, output_tokens FROM requests ORDER BY request_id",
+    )
+    assert requests.rows == [
+        ("r1", "vllm-0", "planner", 4, 1, 2, 1, NOW + 1, 5),
+        ("r2", "vllm-0", "planner", 2, None, None, None, None, None),
+    ]
+    blocks = run_readonly_query(
+        snapshot, "SELECT kind, tier, block_hash, request_id FROM block_accesses ORDER BY id"
+    )
+    assert blocks.rows == [
+        ("hit", "gpu", 11, "r1"),
+        ("hit", "host", 12, "r1"),
+        ("hit", "host", 13, "r1"),
+        ("stored", "gpu", 21, "r1"),
+        ("stored", "gpu", 22, "r1"),
+        ("removed", "host", 12, None),
+        ("loaded", "host", 13, "r2"),
+    ]
+    assert run_readonly_query(snapshot, "SELECT reason FROM decisions").rows == [("retired",)]
+    stats = history.stats()
+    assert stats["rows_written"]["block_accesses"] == 7  # type: ignore[index]
+    assert stats["request_updates_unmatched"] == 1
+    assert stats["rows_dropped"] == 0 and stats["queue_rows"] == 0
+
+
+def test_block_hashes_are_stored_as_signed_64_bit(history: History) -> None:
+    hashes = (0, 1, 2**63 - 1, 2**63, 2**64 - 1)
+    history.record_batch(
+        EventBatch(
+            source="s", seq=1, events=(BlocksStored(ts=0, tier="gpu", block_hashes=hashes),)
+        ),
+        received_ts=NOW,
+    )
+    rows = history.query_live("SELECT block_hash FROM block_accesses ORDER BY id")
+    assert [r[0] for r in rows] == [0, 1, 2**63 - 1, -(2**63), -1]
+    assert [int(r[0]) & (2**64 - 1) for r in rows] == list(hashes)  # type: ignore[call-overload]
+
+
+def test_every_table_takes_rows_and_bad_rows_are_refused_or_counted(history: History) -> None:
+    rows: dict[str, dict[str, object]] = {
+        "predictions": {"ts": NOW, "workflow_id": "w", "step": 1, "probability": 0.5},
+        "mrc_points": {"ts": NOW, "capacity_blocks": 10, "hit_ratio": 0.3, "source": "shards"},
+        "sizing": {"ts": NOW, "working_set_blocks": 5, "reason": "fits"},
+        "cache_stats": {"ts": NOW, "interval_s": 1.0, "requests": 3, "events_shed": 0},
+        "settings_changes": {"ts": NOW, "key": "k", "old_value": "1", "new_value": "2"},
+        "requests": {"ts": NOW, "request_id": "direct"},
+    }
+    for table, row in rows.items():
+        assert history.record(table, [row])
+    with pytest.raises(ValueError, match="unknown history table 'nope'"):
+        history.record("nope", [{"ts": 1.0}])
+    with pytest.raises(ValueError, match="unknown column"):
+        history.record("sizing", [{"ts": 1.0, "colour": "red"}])
+    # a value of the wrong type and a row missing its NOT NULL ts: rejected, counted, and the
+    # good rows queued beside them are kept
+    history.record("mrc_points", [{"ts": "yesterday"}])
+    history.record("settings_changes", [{"key": "no-ts"}])
+    history.record("mrc_points", [{"ts": NOW + 1, "capacity_blocks": 20}])
+    history.flush()
+    for table in rows:
+        count = history.query_live(f"SELECT count(*) FROM {table}")[0][0]
+        assert count == (2 if table == "mrc_points" else 1), table
+    assert history.stats()["rows_rejected"] == 2
+    assert "settings_changes" in str(history.stats()["last_error"])
+
+
+def test_retention_by_age_and_by_row_cap(tmp_path: Path) -> None:
+    clock = FakeClock()
+    h = History(config(tmp_path, retention_s=100.0, retention_rows=3), clock=clock)
+    with h:
+        h.record(
+            "decisions", [{"ts": NOW - age, "kind": "evict"} for age in (500, 150, 50, 40, 30, 20)]
+        )
+        h.record("sizing", [{"ts": NOW - 500}, {"ts": NOW - 1}])
+        deleted = h.apply_retention()
+        assert deleted["decisions"] == 3 and deleted["sizing"] == 1
+        ages = [NOW - r[0] for r in h.query_live("SELECT ts FROM decisions ORDER BY ts")]  # type: ignore[operator]
+        assert ages == [40, 30, 20]  # two too old, then the oldest beyond the cap of 3
+        clock.now += 25  # the next pass drops what has aged past 100 s since
+        assert h.apply_retention()["decisions"] == 0
+        clock.now += 50
+        assert h.apply_retention()["decisions"] == 2
+        assert h.query_live("SELECT count(*) FROM sizing") == [(1,)]
+
+
+def test_block_rows_are_sampled_by_hash_at_the_configured_rate(tmp_path: Path) -> None:
+    rate = 0.25
+    hashes = tuple(range(20_000))  # sequential: the mixing step makes them uniform
+    h = History(config(tmp_path, block_sample_rate=rate), clock=FakeClock())
+    with h:
+        h.record_batch(
+            EventBatch(
+                source="s",
+                seq=1,
+                events=(
+                    BlocksStored(ts=0, tier="gpu", block_hashes=hashes),
+                    BlocksRemoved(ts=1, tier="gpu", block_hashes=hashes),
+                ),
+            ),
+            received_ts=NOW,
+        )
+        stored = {
+            r[0]
+            for r in h.query_live("SELECT block_hash FROM block_accesses WHERE kind = 'stored'")
+        }
+        removed = {
+            r[0]
+            for r in h.query_live("SELECT block_hash FROM block_accesses WHERE kind = 'removed'")
+        }
+    # binomial sd at n=20000 is 0.003: 0.02 is over six of them
+    assert abs(len(stored) / len(hashes) - rate) < 0.02
+    assert stored == removed  # a kept block keeps its whole history
+    keep = block_keep_mask(np.array(hashes, dtype=np.uint64), rate)
+    assert stored == {int(x) for x in np.array(hashes)[keep]}
+
+
+def test_a_full_queue_drops_and_counts_without_blocking(tmp_path: Path) -> None:
+    h = History(config(tmp_path, queue_max_rows=100), clock=FakeClock())
+    # not started yet: nothing drains the queue, so the bound is all that stops it
+    accepted = [h.record("decisions", [{"ts": NOW + i, "kind": "evict"}] * 30) for i in range(5)]
+    assert accepted == [True, True, True, False, False]
+    batch = EventBatch(
+        source="s", seq=1, events=(BlocksStored(ts=0, tier="gpu", block_hashes=(1,) * 50),)
+    )
+    h.record_batch(batch, received_ts=NOW)
+    stats = h.stats()
+    assert stats["queue_rows"] == 90 and stats["rows_dropped"] == 2 * 30 + 51
+    with h:
+        h.flush()
+        assert h.query_live("SELECT count(*) FROM decisions") == [(90,)]
+        assert h.stats()["queue_rows"] == 0
+    assert not h.record("decisions", [{"ts": NOW, "kind": "evict"}])  # closed: dropped, counted
+
+
+def test_snapshot_is_readable_by_plain_duckdb_while_the_writer_keeps_writing(
+    tmp_path: Path,
+) -> None:
+    h = History(config(tmp_path, flush_interval_s=0.05), clock=FakeClock())
+    stop = threading.Event()
+    written = [0]
+
+    def produce() -> None:
+        seq = 0
+        while not stop.is_set():
+            seq += 1
+            hashes = tuple(range(seq * 100, seq * 100 + 100))
+            batch = EventBatch(
+                source="s", seq=seq, events=(BlocksStored(ts=0, tier="gpu", block_hashes=hashes),)
+            )
+            h.record_batch(batch, received_ts=NOW + seq)
+            written[0] = seq
+            stop.wait(0.002)
+
+    with h:
+        producer = threading.Thread(target=produce)
+        producer.start()
+        try:
+            while written[0] < 20:
+                stop.wait(0.01)
+            first = h.publish_snapshot()
+            reader = duckdb.connect(str(first), read_only=True)
+            n1 = reader.execute("SELECT count(*) FROM block_accesses").fetchone()
+            while written[0] < 60:
+                stop.wait(0.01)
+            second = h.publish_snapshot()  # replaced while `reader` still has the old one open
+            assert n1 is not None and n1[0] > 0 and n1[0] % 100 == 0  # whole batches only
+            assert reader.execute("SELECT count(*) FROM block_accesses").fetchone() == n1
+            reader.close()
+            with duckdb.connect(str(second), read_only=True) as fresh:
+                n2 = fresh.execute("SELECT count(*) FROM block_accesses").fetchone()
+                assert fresh.execute("SELECT version_num FROM alembic_version").fetchone() == (
+                    "0002",
+                )
+            assert n2 is not None and n2[0] > n1[0]
+        finally:
+            stop.set()
+            producer.join()
+    assert not list(tmp_path.glob(".*.tmp*"))  # no temporary snapshot left behind
+    with duckdb.connect(str(h.config.db_path), read_only=True) as live:
+        assert live.execute("SELECT count(*) FROM block_accesses").fetchone() == (written[0] * 100,)
+
+
+def test_close_publishes_a_final_snapshot(tmp_path: Path) -> None:
+    h = History(config(tmp_path), clock=FakeClock())
+    with h:
+        h.record("settings_changes", [{"ts": NOW, "key": "k", "actor": "test"}])
+    snapshot = default_snapshot_path(h.config.db_path)
+    assert run_readonly_query(snapshot, "SELECT actor FROM settings_changes").rows == [("test",)]
+    h.close()  # idempotent
+
+
+def test_start_refuses_a_newer_schema(tmp_path: Path) -> None:
+    db = tmp_path / "h.duckdb"
+    migrate(db)
+    with duckdb.connect(str(db)) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '0003'")
+    with pytest.raises(SchemaTooNew, match="'0003'"):
+        History(config(tmp_path)).start()
+
+
+def test_default_paths(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("POLICYD_DB", raising=False)
+    assert default_db_path() == DEFAULT_DB_PATH == Path("policyd-history.duckdb")
+    monkeypatch.setenv("POLICYD_DB", str(tmp_path / "x.duckdb"))
+    assert default_db_path() == tmp_path / "x.duckdb"
+    assert default_snapshot_path(Path("/d/x.duckdb")) == Path("/d/x.snapshot.duckdb")
+    with pytest.raises(ValueError, match="block_sample_rate"):
+        HistoryConfig(db_path=tmp_path / "a.duckdb", block_sample_rate=1.5)
+    with pytest.raises(ValueError, match="differ"):
+        HistoryConfig(db_path=tmp_path / "a.duckdb", snapshot_path=tmp_path / "a.duckdb")

@@ -1,0 +1,152 @@
+"""Schema versions on real DuckDB files: create, upgrade from the previous version with rows in
+it, refuse a newer file, refuse a file another process holds; the CLI's ``policyd migrate``."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from policyd.cli import main
+from policyd.history import (
+    HistoryError,
+    SchemaTooNew,
+    head_revision,
+    known_revisions,
+    migrate,
+    schema_revision,
+)
+from policyd.history.migrate import SCRIPT_LOCATION
+from policyd.history.schema import KEY_COLUMN, TABLES
+
+ARROW_TO_DUCKDB = {"double": "DOUBLE", "int64": "BIGINT", "string": "VARCHAR", "bool": "BOOLEAN"}
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def columns(path: Path) -> dict[str, list[tuple[str, str]]]:
+    with duckdb.connect(str(path), read_only=True) as conn:
+        rows = conn.execute(
+            "SELECT table_name, column_name, data_type FROM information_schema.columns "
+            "WHERE table_schema = 'main' ORDER BY table_name, ordinal_position"
+        ).fetchall()
+    out: dict[str, list[tuple[str, str]]] = {}
+    for table, column, kind in rows:
+        out.setdefault(table, []).append((column, kind))
+    return out
+
+
+def test_revisions_form_one_chain_found_from_the_checkout() -> None:
+    assert (SCRIPT_LOCATION / "env.py").is_file()
+    assert Path(__file__).resolve().parents[1] / "migrations" == SCRIPT_LOCATION
+    assert known_revisions() == ["0001", "0002"]
+    assert head_revision() == "0002"
+
+
+def test_a_missing_file_is_created_at_head_matching_the_writer_schema(tmp_path: Path) -> None:
+    db = tmp_path / "sub" / "h.duckdb"
+    assert schema_revision(db) is None
+    assert migrate(db) == (None, "0002")
+    assert schema_revision(db) == "0002"
+    found = columns(db)
+    for table, cols in TABLES.items():
+        expected = [(KEY_COLUMN, "BIGINT")] + [(n, ARROW_TO_DUCKDB[str(t)]) for n, t in cols]
+        assert found[table] == expected, table
+    assert migrate(db) == ("0002", "0002")  # idempotent
+
+
+def test_upgrade_from_0001_keeps_rows_and_adds_cache_stats_and_indexes(tmp_path: Path) -> None:
+    db = tmp_path / "old.duckdb"
+    assert migrate(db, revision="0001") == (None, "0001")
+    assert "cache_stats" not in columns(db)
+    with duckdb.connect(str(db)) as conn:
+        conn.execute(
+            "INSERT INTO requests (ts, request_id, agent, prompt_blocks) "
+            "VALUES (1.0, 'r1', 'planner', 4), (2.0, 'r2', 'coder', 9)"
+        )
+        conn.execute("INSERT INTO settings_changes (ts, key, new_value) VALUES (3.0, 'k', '3')")
+    assert migrate(db) == ("0001", "0002")
+    with duckdb.connect(str(db), read_only=True) as conn:
+        assert conn.execute(
+            "SELECT id, request_id, agent, prompt_blocks FROM requests ORDER BY ts"
+        ).fetchall() == [(1, "r1", "planner", 4), (2, "r2", "coder", 9)]
+        assert conn.execute("SELECT key, new_value FROM settings_changes").fetchall() == [
+            ("k", "3")
+        ]
+        assert conn.execute("SELECT count(*) FROM cache_stats").fetchone() == (0,)
+        indexes = {r[0] for r in conn.execute("SELECT index_name FROM duckdb_indexes()").fetchall()}
+    assert "requests_request_id_idx" in indexes
+    # the sequence carries on after the migrated rows
+    with duckdb.connect(str(db)) as conn:
+        conn.execute("INSERT INTO requests (ts, request_id) VALUES (4.0, 'r3')")
+        assert conn.execute("SELECT id FROM requests WHERE request_id = 'r3'").fetchone() == (3,)
+
+
+def test_a_newer_file_is_refused_and_left_untouched(tmp_path: Path) -> None:
+    db = tmp_path / "new.duckdb"
+    migrate(db)
+    with duckdb.connect(str(db)) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '0099'")
+    before = digest(db)
+    with pytest.raises(SchemaTooNew) as info:
+        migrate(db)
+    message = str(info.value)
+    assert "'0099'" in message and "'0002'" in message
+    assert digest(db) == before
+
+
+@pytest.fixture
+def held_file(tmp_path: Path) -> Iterator[Path]:
+    """A history file opened read-write by another process, as a running daemon holds it."""
+    db = tmp_path / "held.duckdb"
+    migrate(db)
+    script = (
+        "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); "
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(db)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        yield db
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_file_held_by_another_process_is_a_clear_error(held_file: Path) -> None:
+    with pytest.raises(HistoryError, match="held by another process"):
+        migrate(held_file)
+    assert main(["migrate", "--db", str(held_file)]) == 3
+
+
+def test_cli_migrate_prints_from_and_to(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db = tmp_path / "cli.duckdb"
+    migrate(db, revision="0001")
+    assert main(["migrate", "--db", str(db)]) == 0
+    assert "from revision 0001 to 0002" in capsys.readouterr().out
+    assert main(["migrate", "--db", str(db)]) == 0
+    assert "already at revision 0002" in capsys.readouterr().out
+    with duckdb.connect(str(db)) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = 'ffff'")
+    assert main(["migrate", "--db", str(db)]) == 3
+    err = capsys.readouterr().err.strip()
+    assert "'ffff'" in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
+def test_cli_migrate_defaults_to_policyd_db(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    db = tmp_path / "env.duckdb"
+    monkeypatch.setenv("POLICYD_DB", str(db))
+    assert main(["migrate"]) == 0
+    assert str(db) in capsys.readouterr().out
+    assert schema_revision(db) == "0002"
