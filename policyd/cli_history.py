@@ -24,7 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from policyd.history.files import default_db_path
-from policyd.history.migrate import HistoryError
+from policyd.history.revisions import HistoryError
 
 if TYPE_CHECKING:
     from policyd.history.safe_sql import QueryResult
@@ -89,7 +89,7 @@ def _fail(command: str, message: str, code: int) -> int:
 
 
 def run_migrate(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from policyd.history.migrate import migrate  # noqa: PLC0415 - Alembic only when asked
+    from policyd.history.revisions import migrate  # noqa: PLC0415 - Alembic only when asked
 
     db = args.db or default_db_path()
     try:

@@ -21,7 +21,7 @@ from policyd.history import (
     migrate,
     schema_revision,
 )
-from policyd.history.migrate import SCRIPT_LOCATION
+from policyd.history.revisions import SCRIPT_LOCATION
 from policyd.history.schema import KEY_COLUMN, TABLES
 
 ARROW_TO_DUCKDB = {"double": "DOUBLE", "int64": "BIGINT", "string": "VARCHAR", "bool": "BOOLEAN"}

@@ -13,7 +13,7 @@ from policyd.history.files import (
     default_db_path,
     default_snapshot_path,
 )
-from policyd.history.migrate import (
+from policyd.history.revisions import (
     HistoryError,
     SchemaTooNew,
     head_revision,

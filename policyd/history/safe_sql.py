@@ -28,7 +28,7 @@ from typing import Final
 import duckdb
 
 from policyd.history.files import default_snapshot_path, snapshot_is_current
-from policyd.history.migrate import HistoryError
+from policyd.history.revisions import HistoryError
 
 ALLOWED_STATEMENTS: Final = frozenset({duckdb.StatementType.SELECT})
 QUERY_THREADS: Final = 2

@@ -16,7 +16,7 @@ from typing import Final
 
 import duckdb
 
-from policyd.history.migrate import HistoryError
+from policyd.history.revisions import HistoryError
 
 _ALIAS: Final = "policyd_snapshot"
 _counter = itertools.count()

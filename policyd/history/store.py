@@ -27,7 +27,7 @@ import pyarrow as pa  # type: ignore[import-untyped]
 
 from policyd.history.fanout import FanOut, Pending, rows_estimate
 from policyd.history.files import default_snapshot_path
-from policyd.history.migrate import HistoryError, _open_error, migrate
+from policyd.history.revisions import HistoryError, _open_error, migrate
 from policyd.history.schema import ARROW_SCHEMAS, TABLES, check_rows
 from policyd.history.snapshot import copy_database
 from policyd.types import EventBatch
@@ -277,23 +277,23 @@ class History:
             except queue.Empty:
                 item = None
             if item is _STOP:
-                self._write_pending()
+                self._guard(self._write_pending)
                 return
             if isinstance(item, _Call):
-                self._write_pending()
+                self._guard(self._write_pending)
                 self._serve(item)
             elif item is not None:
                 self._take(item)
             now = time.monotonic()
             if now >= next_write or self._pending.rows >= WRITE_ROWS:
-                self._write_pending()
+                self._guard(self._write_pending)
                 next_write = now + self.config.flush_interval_s
             if now >= next_retention:
                 self._guard(self._retain)
                 next_retention = now + self.config.retention_interval_s
-            if now >= next_snapshot and interval:
+            if now >= next_snapshot:
                 self._guard(self._publish)
-                next_snapshot = now + interval
+                next_snapshot = now + (interval or float("inf"))
 
     def _guard(self, fn: Callable[[], object]) -> None:
         try:
