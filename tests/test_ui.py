@@ -36,7 +36,7 @@ def silent_listener() -> Iterator[int]:
 def run_page(at: AppTest, page: str) -> AppTest:
     if page == "overview":
         return at.run()
-    return at.switch_page(f"pages/{page}.py").run()
+    return at.switch_page(f"views/{page}.py").run()
 
 
 def test_daemon_down_every_page_shows_a_banner(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -54,7 +54,7 @@ def test_daemon_down_every_page_shows_a_banner(monkeypatch: pytest.MonkeyPatch) 
 def test_daemon_down_sql_page_shows_a_banner_on_run(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("POLICYD_API_URL", f"http://127.0.0.1:{closed_port()}")
     at = AppTest.from_file(str(APP), default_timeout=30).run()
-    at.switch_page("pages/sql.py").run()
+    at.switch_page("views/sql.py").run()
     assert not at.error  # nothing is fetched until a query runs
     at.button(key="sql_run").click().run()
     assert not at.exception
@@ -67,7 +67,7 @@ def test_slow_daemon_shows_a_timeout_banner(
     monkeypatch.setenv("POLICYD_API_URL", f"http://127.0.0.1:{silent_listener}")
     monkeypatch.setenv("POLICYD_UI_TIMEOUT_S", "0.3")
     at = AppTest.from_file(str(APP), default_timeout=30).run()
-    at.switch_page("pages/sizing.py").run()
+    at.switch_page("views/sizing.py").run()
     assert not at.exception
     assert any("Daemon too slow" in e.value for e in at.error), [e.value for e in at.error]
 

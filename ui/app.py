@@ -16,21 +16,9 @@ if __package__ in (None, ""):  # `streamlit run ui/app.py` puts ui/ on sys.path,
 
 import streamlit as st
 
-from ui import connection
+from ui import charts, connection, tables  # noqa: F401 - imported once per server, not per page
 from ui.client import ApiError
-
-PAGES_DIR = Path(__file__).resolve().parent / "pages"
-
-# (file, title, icon, url path); the first is the default page
-PAGES = (
-    ("overview.py", "Overview", ":material/monitoring:", "overview"),
-    ("predictions.py", "Predictions", ":material/psychology:", "predictions"),
-    ("cache.py", "Cache effectiveness", ":material/speed:", "cache"),
-    ("sizing.py", "Host-tier sizing", ":material/storage:", "sizing"),
-    ("decisions.py", "Decisions", ":material/list_alt:", "decisions"),
-    ("tuning.py", "Tuning", ":material/tune:", "tuning"),
-    ("sql.py", "SQL", ":material/database:", "sql"),
-)
+from ui.views import PAGES, PAGES_DIR
 
 
 def sidebar() -> None:
@@ -70,8 +58,12 @@ def sidebar() -> None:
         status()
 
 
-@st.fragment(run_every=5)
 def status() -> None:
+    """Daemon status line in the sidebar, refreshed at the live interval."""
+    st.fragment(_status, run_every=connection.live_interval())()
+
+
+def _status() -> None:
     """Daemon status line in the sidebar."""
     try:
         stats = connection.client().stats()

@@ -1,0 +1,247 @@
+"""Screenshots of every dashboard page in headless Chromium, and a check that they are not blank.
+
+``python -m ui.screenshots --api http://127.0.0.1:8470 --out docs/ui`` starts ``streamlit run
+ui/app.py`` on a free port, waits for ``/_stcore/health``, and has Debian's ``chromium`` render each
+page to ``<out>/<page>.png``. Chromium renders a Streamlit page only with a virtual-time budget of
+10 s or more and can hang on smaller ones (DESIGN.md §4), so every run is wrapped in a wall-clock
+timeout. tests/test_ui_browser.py uses the same functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import numpy as np
+from PIL import Image
+
+from ui.views import PAGES
+
+APP: Final = Path(__file__).resolve().parent / "app.py"
+VIRTUAL_TIME_BUDGET_MS: Final = 15_000
+WINDOW: Final = (1400, 1800)
+CHROMIUM_TIMEOUT_S: Final = 120.0
+STARTUP_TIMEOUT_S: Final = 60.0
+CHROMIUM_FLAGS: Final = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--hide-scrollbars",
+    "--force-device-scale-factor=1",
+)
+
+
+class ScreenshotError(RuntimeError):
+    """Streamlit or Chromium failed to produce a page image."""
+
+
+def chromium_path() -> str | None:
+    """Debian's ``chromium`` (or ``chromium-browser`` / ``google-chrome``) if installed."""
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def page_paths() -> dict[str, str]:
+    """Page name -> URL path; the first page is the app's root."""
+    return {
+        url_path: "/" if index == 0 else f"/{url_path}"
+        for index, (_, _, _, url_path) in enumerate(PAGES)
+    }
+
+
+@contextlib.contextmanager
+def streamlit_server(
+    api_url: str,
+    *,
+    token: str | None = None,
+    refresh_s: float = 600.0,
+    log_path: Path | None = None,
+) -> Iterator[str]:
+    """``streamlit run ui/app.py`` on a free loopback port; yields its base URL."""
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(APP),
+        "--server.headless=true",
+        f"--server.port={port}",
+        "--server.address=127.0.0.1",
+        "--server.fileWatcherType=none",
+        "--browser.gatherUsageStats=false",
+        "--client.toolbarMode=minimal",
+        "--",
+        "--api",
+        api_url,
+        "--refresh-s",
+        str(refresh_s),
+    ]
+    if token:
+        command += ["--token", token]
+    log = open(log_path or os.devnull, "wb")  # noqa: SIM115 - closed in finally
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, process)
+        yield base
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+def wait_healthy(base: str, process: subprocess.Popen[bytes]) -> None:
+    """Poll ``/_stcore/health`` until it answers ok, the process dies, or the deadline passes."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise ScreenshotError(f"streamlit exited with {process.returncode} before serving")
+        try:
+            with urllib.request.urlopen(f"{base}/_stcore/health", timeout=2) as response:
+                if response.status == 200 and response.read().strip() == b"ok":
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise ScreenshotError(f"streamlit at {base} not healthy within {STARTUP_TIMEOUT_S:g} s")
+
+
+def screenshot(
+    url: str,
+    out: Path,
+    *,
+    budget_ms: int = VIRTUAL_TIME_BUDGET_MS,
+    window: tuple[int, int] = WINDOW,
+    timeout_s: float = CHROMIUM_TIMEOUT_S,
+) -> Path:
+    """Render ``url`` in headless Chromium to the PNG ``out``."""
+    chromium = chromium_path()
+    if chromium is None:
+        raise ScreenshotError("chromium is not installed (apt-get install -y chromium)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="agentkv-chromium-") as profile:
+        command = [
+            "timeout",
+            "--kill-after=5",
+            f"{timeout_s:g}",
+            chromium,
+            *CHROMIUM_FLAGS,
+            f"--user-data-dir={profile}",
+            f"--virtual-time-budget={budget_ms}",
+            f"--window-size={window[0]},{window[1]}",
+            f"--screenshot={out}",
+            url,
+        ]
+        result = subprocess.run(command, capture_output=True, check=False)
+    if result.returncode != 0 or not out.is_file():
+        tail = result.stderr.decode(errors="replace")[-800:]
+        raise ScreenshotError(f"chromium exited {result.returncode} for {url}: {tail}")
+    return out
+
+
+@dataclass(frozen=True)
+class Blankness:
+    """How much a screenshot shows: pixel spread, share of non-background pixels, colours."""
+
+    std: float
+    ink_fraction: float
+    colors: int
+
+    def blank(self, *, min_ink: float = 0.02, min_colors: int = 16) -> bool:
+        return self.std < 5.0 or self.ink_fraction < min_ink or self.colors < min_colors
+
+
+def measure(png: Path) -> Blankness:
+    """Decode ``png``; the background is its most common colour."""
+    pixels = np.asarray(Image.open(png).convert("RGB"), dtype=np.int32).reshape(-1, 3)
+    packed = (pixels[:, 0] << 16) | (pixels[:, 1] << 8) | pixels[:, 2]
+    values, counts = np.unique(packed, return_counts=True)
+    top = int(values[int(np.argmax(counts))])
+    background = np.array([(top >> 16) & 255, (top >> 8) & 255, top & 255])
+    ink = np.abs(pixels - background).sum(axis=1) > 24
+    return Blankness(std=float(pixels.std()), ink_fraction=float(ink.mean()), colors=len(values))
+
+
+def capture_all(
+    api_url: str,
+    out_dir: Path,
+    *,
+    token: str | None = None,
+    pages: Sequence[str] | None = None,
+    attempts: int = 3,
+    log_path: Path | None = None,
+) -> dict[str, Path]:
+    """Screenshot each page (all by default) of a dashboard pointed at ``api_url``.
+
+    Chromium's virtual clock runs ahead while it waits on Streamlit's websocket, so a page whose
+    script is still running (a slow first import, a slow daemon) can be captured as a loading
+    skeleton: one throwaway load warms the server up, and a blank capture is retaken."""
+    paths = page_paths()
+    chosen = list(pages) if pages else list(paths)
+    shots: dict[str, Path] = {}
+    with streamlit_server(api_url, token=token, log_path=log_path) as base:
+        with tempfile.TemporaryDirectory(prefix="agentkv-warmup-") as warm:
+            screenshot(base + "/", Path(warm) / "warmup.png")
+        for name in chosen:
+            started = time.monotonic()
+            tries = 0
+            while True:
+                tries += 1
+                shots[name] = screenshot(base + paths[name], out_dir / f"{name}.png")
+                if tries >= attempts or not measure(shots[name]).blank():
+                    break
+            elapsed_s = time.monotonic() - started
+            print(f"{name}: {shots[name]} in {elapsed_s:.1f} s, {tries} tries", flush=True)
+    return shots
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--api", default=os.environ.get("POLICYD_API_URL", "http://127.0.0.1:8470"))
+    parser.add_argument("--token", default=os.environ.get("POLICYD_API_TOKEN"))
+    parser.add_argument("--out", type=Path, default=Path("docs/ui"))
+    parser.add_argument("--page", action="append", help="only these pages (repeatable)")
+    args = parser.parse_args(argv)
+    shots = capture_all(args.api, args.out, token=args.token, pages=args.page)
+    measured = {name: measure(path) for name, path in shots.items()}
+    blank = [name for name, m in measured.items() if m.blank()]
+    for name, m in measured.items():
+        print(f"{name}: {m}")
+    if blank:
+        print(f"blank pages: {', '.join(blank)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
