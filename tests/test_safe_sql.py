@@ -151,9 +151,12 @@ def test_lockdown_alone_refuses_what_the_statement_check_catches(untouched: Path
     try:
         with pytest.raises(duckdb.Error):
             conn.execute(sql)
-        assert conn.execute("SELECT current_setting('enable_external_access')").fetchone() == (
-            False,
-        )
+        settings = conn.execute(
+            "SELECT current_setting('enable_external_access'), "
+            "current_setting('lock_configuration'), current_setting('memory_limit')"
+        ).fetchone()
+        assert settings is not None and settings[:2] == (False, True)
+        assert settings[2] != "64.0 GiB"
     finally:
         conn.close()
     assert not list(Path("/tmp").glob("policyd-attack*"))

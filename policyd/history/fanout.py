@@ -97,18 +97,21 @@ class Pending:
         chunks = [c for c in self.blocks if len(c.hashes)]
         if not chunks:
             return None
-        counts = [len(c.hashes) for c in chunks]
+        counts = np.array([len(c.hashes) for c in chunks])
+        # one entry per chunk, repeated per block in C: dictionary-encode, then decode
+        indices = pa.array(np.repeat(np.arange(len(chunks), dtype=np.int32), counts))
 
-        def repeat(values: list[object]) -> np.ndarray:
-            return np.repeat(np.array(values, dtype=object), counts)
+        def repeat(values: list[str | None]) -> pa.Array:
+            dictionary = pa.array(values, type=pa.string())
+            return pa.DictionaryArray.from_arrays(indices, dictionary).dictionary_decode()
 
         return pa.table(
             {
                 "ts": np.repeat(np.array([c.ts for c in chunks], dtype=np.float64), counts),
-                "kind": pa.array(repeat([c.kind for c in chunks]), type=pa.string()),
-                "tier": pa.array(repeat([c.tier for c in chunks]), type=pa.string()),
+                "kind": repeat([c.kind for c in chunks]),
+                "tier": repeat([c.tier for c in chunks]),
                 "block_hash": np.concatenate([c.hashes for c in chunks]).view(np.int64),
-                "request_id": pa.array(repeat([c.request_id for c in chunks]), type=pa.string()),
+                "request_id": repeat([c.request_id for c in chunks]),
             },
             schema=ARROW_SCHEMAS["block_accesses"],
         )

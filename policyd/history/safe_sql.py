@@ -6,8 +6,8 @@ The layers (DESIGN.md §4, which found each one alone insufficient):
    ``read_only=True``;
 2. configuration set at connect time: external access off (no files, no network, no
    INSTALL/LOAD), extension autoload/autoinstall off, Python replacement scans off, no spilling
-   to a temp directory, ``max_execution_time``, ``memory_limit``, few threads, and then
-   ``lock_configuration`` so no statement can undo any of it;
+   to a temp directory, ``max_execution_time``, ``memory_limit``, few threads, no progress
+   bars, and then ``lock_configuration`` so no statement can undo any of it;
 3. exactly one statement, of type SELECT, by DuckDB's own parser (a data-modifying CTE parses as
    SELECT: layer 1 refuses it);
 4. rows capped with ``fetchmany(max_rows + 1)``, a timer that interrupts the connection as a
@@ -64,7 +64,7 @@ class QueryResult:
 
 
 def lockdown_config(*, timeout_s: float, memory_limit: str) -> dict[str, str | bool | int | float]:
-    """The connect-time configuration of a user-query instance (``lock_configuration`` last)."""
+    """The connect-time configuration of a user-query instance (locked by SESSION_SETTINGS)."""
     return {
         "enable_external_access": False,
         "autoload_known_extensions": False,
@@ -75,8 +75,14 @@ def lockdown_config(*, timeout_s: float, memory_limit: str) -> dict[str, str | b
         "max_execution_time": max(1, round(timeout_s * 1000)),
         "memory_limit": memory_limit,
         "threads": QUERY_THREADS,
-        "lock_configuration": True,
     }
+
+
+# session settings applied after connecting, then the lock (no statement can undo any of it)
+SESSION_SETTINGS: Final = (
+    "SET enable_progress_bar = false",  # never draw bars into the daemon's log or a CLI pipe
+    "SET lock_configuration = true",
+)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -134,7 +140,7 @@ def open_locked(db_path: Path, *, timeout_s: float, memory_limit: str) -> duckdb
     if not db_path.is_file():
         raise HistoryError(f"no history file at {db_path}")
     try:
-        return duckdb.connect(
+        conn = duckdb.connect(
             str(db_path),
             read_only=True,
             config=lockdown_config(timeout_s=timeout_s, memory_limit=memory_limit),  # type: ignore[arg-type]
@@ -146,6 +152,13 @@ def open_locked(db_path: Path, *, timeout_s: float, memory_limit: str) -> duckdb
                 f"{db_path} is held by another process (a running daemon?): {line}"
             ) from None
         raise HistoryError(f"cannot open {db_path} read-only: {line}") from None
+    try:
+        for statement in SESSION_SETTINGS:
+            conn.execute(statement)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
 
 
 def run_readonly_query(

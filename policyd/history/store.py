@@ -90,6 +90,14 @@ class HistoryConfig:
         return self.snapshot_path or default_snapshot_path(self.db_path)
 
 
+def rows_to_arrow(rows: Sequence[Mapping[str, object]], schema: pa.Schema) -> pa.Table:
+    """Dict rows to an Arrow table, column by column (about twice as fast as from_pylist);
+    a missing key is NULL, a value of the wrong type raises an Arrow error."""
+    return pa.Table.from_arrays(
+        [pa.array([row.get(f.name) for row in rows], type=f.type) for f in schema], schema=schema
+    )
+
+
 @dataclass
 class _Rows:
     table: str
@@ -147,6 +155,7 @@ class History:
         migrate(self.config.db_path)
         try:
             self._conn = duckdb.connect(str(self.config.db_path))
+            self._conn.execute("SET enable_progress_bar = false")  # no bars in the daemon's log
         except duckdb.Error as exc:
             raise _open_error(self.config.db_path, exc) from exc
         self._thread = threading.Thread(target=self._run, name="policyd-history", daemon=True)
@@ -354,7 +363,7 @@ class History:
         good: list[pa.Table] = []
         for rows in chunks:
             try:
-                good.append(pa.Table.from_pylist(rows, schema=schema))
+                good.append(rows_to_arrow(rows, schema))
             except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
                 self._reject(len(rows), f"{table} rows", exc)
         if not good:
@@ -397,7 +406,7 @@ class History:
             + [(c, ARROW_SCHEMAS["requests"].field(c).type) for c in _REQUEST_UPDATE_COLUMNS]
         )
         try:
-            data = pa.Table.from_pylist(updates, schema=schema)
+            data = rows_to_arrow(updates, schema)
         except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
             self._reject(len(updates), "requests updates", exc)
             return
