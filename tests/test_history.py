@@ -293,6 +293,12 @@ def test_close_publishes_a_final_snapshot(tmp_path: Path) -> None:
     snapshot = default_snapshot_path(h.config.db_path)
     assert run_readonly_query(snapshot, "SELECT actor FROM settings_changes").rows == [("test",)]
     h.close()  # idempotent
+    # written in the v1.0.0 storage format, so DuckDB clients older than 2.0 can open it
+    with duckdb.connect(str(snapshot), read_only=True) as conn:
+        tags = conn.execute(
+            "SELECT tags FROM duckdb_databases() WHERE NOT internal AND database_name = 'h'"
+        ).fetchone()
+    assert tags is not None and tags[0]["storage_version"].startswith("v1.0.0")
 
 
 def test_start_refuses_a_newer_schema(tmp_path: Path) -> None:
