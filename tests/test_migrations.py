@@ -62,6 +62,19 @@ def test_a_missing_file_is_created_at_head_matching_the_writer_schema(tmp_path: 
     assert migrate(db) == ("0002", "0002")  # idempotent
 
 
+def test_an_empty_file_is_created_and_a_foreign_file_refused(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.duckdb"
+    empty.touch()
+    assert schema_revision(empty) is None
+    assert migrate(empty) == (None, "0002")
+    foreign = tmp_path / "notes.duckdb"
+    foreign.write_text("not a database\n")
+    with pytest.raises(HistoryError, match="not a valid DuckDB database") as info:
+        migrate(foreign)
+    assert "\n" not in str(info.value) and "sqlalche" not in str(info.value)
+    assert foreign.read_text() == "not a database\n"
+
+
 def test_upgrade_from_0001_keeps_rows_and_adds_cache_stats_and_indexes(tmp_path: Path) -> None:
     db = tmp_path / "old.duckdb"
     assert migrate(db, revision="0001") == (None, "0001")

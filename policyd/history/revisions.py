@@ -60,7 +60,8 @@ def known_revisions() -> list[str]:
     return [rev.revision for rev in reversed(list(script.walk_revisions()))]
 
 
-def _open_error(db_path: Path, exc: Exception) -> HistoryError:
+def _open_error(db_path: Path, exc: BaseException) -> HistoryError:
+    exc = getattr(exc, "orig", None) or exc  # SQLAlchemy wraps the driver's error
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if "lock" in text.lower():
         return HistoryError(f"{db_path} is held by another process (a running daemon?): {text}")
@@ -70,7 +71,7 @@ def _open_error(db_path: Path, exc: Exception) -> HistoryError:
 def schema_revision(db_path: Path) -> str | None:
     """The file's Alembic revision; None for a missing file or one never migrated."""
     db_path = Path(db_path)
-    if not db_path.exists():
+    if not db_path.exists() or db_path.stat().st_size == 0:
         return None
     try:
         conn = duckdb.connect(str(db_path), read_only=True)
@@ -120,8 +121,8 @@ def check_known(revision: str | None) -> None:
 def migrate(db_path: Path, *, revision: str = "head") -> tuple[str | None, str]:
     """Upgrade the file in place to the newest schema; returns (from_revision, to_revision).
 
-    Creates the file when missing. Raises SchemaTooNew on a file with an unknown (newer)
-    revision, HistoryError when the file is locked or unreadable. Each revision runs in one
+    Creates the file when missing or empty (zero bytes). Raises SchemaTooNew on a file with an
+    unknown (newer) revision, HistoryError when the file is locked or unreadable. Each revision runs in one
     transaction (DuckDB DDL is transactional), so a failed upgrade leaves the file as it was.
     ``revision`` stops at an older revision instead (tests build previous-version files so).
     """
@@ -130,6 +131,8 @@ def migrate(db_path: Path, *, revision: str = "head") -> tuple[str | None, str]:
 
     db_path = Path(db_path)
     db_path.parent.mkdir(parents=True, exist_ok=True)
+    if db_path.is_file() and db_path.stat().st_size == 0:
+        db_path.unlink()  # an empty file (touch, mkstemp) holds nothing: DuckDB creates it anew
     config = _alembic_config(db_path)
     try:
         engine = create_engine(f"duckdb:///{db_path}")
