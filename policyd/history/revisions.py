@@ -122,8 +122,9 @@ def migrate(db_path: Path, *, revision: str = "head") -> tuple[str | None, str]:
     """Upgrade the file in place to the newest schema; returns (from_revision, to_revision).
 
     Creates the file when missing or empty (zero bytes). Raises SchemaTooNew on a file with an
-    unknown (newer) revision, HistoryError when the file is locked or unreadable. Each revision runs in one
-    transaction (DuckDB DDL is transactional), so a failed upgrade leaves the file as it was.
+    unknown (newer) revision, HistoryError when the file is locked or unreadable. Each revision
+    runs in one transaction (DuckDB DDL is transactional), so a failed upgrade leaves the file
+    as it was.
     ``revision`` stops at an older revision instead (tests build previous-version files so).
     """
     from alembic import command  # noqa: PLC0415 - Alembic loads only when migrating
