@@ -83,6 +83,12 @@ ATTACKS: list[tuple[str, str]] = [
     ("WITH d AS (DELETE FROM requests RETURNING *) SELECT * FROM d", "read-only"),
     ("WITH d AS (UPDATE requests SET agent = 'x' RETURNING *) SELECT * FROM d", "read-only"),
     ("SELECT * FROM query('DELETE FROM requests')", "syntax"),
+    ("SELECT nextval('requests_id_seq')", "read-only"),
+    ("SELECT * FROM read_csv(['/etc/passwd'])", "external-access"),
+    ("SELECT * FROM duckdb_secrets()", "external-access"),
+    # extension autoload is off: the function is unknown rather than installed and run
+    ("SELECT * FROM sqlite_scan('/tmp/x.db', 't')", "query-error"),
+    ("USE system", "select-only"),
     (f"COPY requests TO '{OUTSIDE}.csv'", "select-only"),
     (f"COPY (SELECT 1) TO '{OUTSIDE}.parquet' (FORMAT parquet)", "select-only"),
     (f"EXPORT DATABASE '{OUTSIDE}'", "select-only"),
