@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from policyd import cli_history
+from policyd import cli_daemon, cli_history
 from policyd.bench import (
     BenchSpec,
     bench_json,
@@ -148,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     tput.add_argument("--concurrency", type=int, default=16)
     tput.add_argument("--seed", type=int, default=0)
     cli_history.add_parsers(sub)
+    cli_daemon.add_parsers(sub)
     return parser
 
 
@@ -210,6 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"bench": _bench, "throughput": _throughput, "trace": _trace}
     commands.update(cli_history.COMMANDS)
+    commands.update(cli_daemon.COMMANDS)
     try:
         return commands[args.command](args, argv)
     except ValueError as exc:

@@ -20,6 +20,7 @@ from typing import Any, Final
 from policyd.predictor import END, Forecast, Predictor
 
 MAX_WORKFLOWS: Final = 100_000
+MIN_FORECAST_INTERVAL_S: Final = 0.2  # per workflow: faster call bursts are logged sampled
 TOP_AGENTS: Final = 5
 
 
@@ -37,6 +38,7 @@ class _Pending:
 class _Workflow:
     workflow_type: str
     calls: int = 0
+    logged_s: float = -1e18  # the daemon's clock when a forecast was last logged
     pending: list[_Pending] = field(default_factory=list)
 
 
@@ -47,9 +49,23 @@ class PredictionLog:
         self.wall_clock = wall_clock
         self._workflows: OrderedDict[str, _Workflow] = OrderedDict()
         self._rows: list[dict[str, object]] = []
+        self._first_logged: dict[str, float] = {}
         self.recent: deque[dict[str, object]] = deque(maxlen=recent_max)
         self.resolved = 0
         self.correct = 0
+
+    def wants_forecast(self, workflow_id: str, now_s: float) -> bool:
+        """Whether to log a forecast after this call: always, unless the workflow's calls come
+        faster than ``MIN_FORECAST_INTERVAL_S`` (a replay flood; agent steps take seconds) -
+        each logged forecast costs a K-step roll-out of the predictor."""
+        wf = self._workflows.get(workflow_id)
+        if wf is not None and now_s - wf.logged_s < MIN_FORECAST_INTERVAL_S:
+            return False
+        if wf is not None:
+            wf.logged_s = now_s
+        else:
+            self._first_logged[workflow_id] = now_s
+        return True
 
     def on_call(
         self,
@@ -61,7 +77,8 @@ class PredictionLog:
         """A call of ``agent`` arrived: resolve what it answers, then log the new forecast."""
         wf = self._workflows.get(workflow_id)
         if wf is None:
-            wf = self._workflows[workflow_id] = _Workflow(workflow_type)
+            logged = self._first_logged.pop(workflow_id, -1e18)
+            wf = self._workflows[workflow_id] = _Workflow(workflow_type, logged_s=logged)
             if len(self._workflows) > MAX_WORKFLOWS:
                 self._workflows.popitem(last=False)
         else:

@@ -69,7 +69,10 @@ def start_daemon(settings: DaemonSettings) -> RunningDaemon:
     ``RunningDaemon.http_url`` / ``events_endpoint`` / ``snapshots_endpoint``)."""
     service = Service(settings)
     service.start()
-    sock = socket.socket(socket.AF_INET6 if ":" in settings.http_host else socket.AF_INET)
+    family = socket.AF_INET6 if ":" in settings.http_host else socket.AF_INET
+    # proto given explicitly: asyncio sets TCP_NODELAY only on sockets whose proto is TCP, and
+    # without it small responses wait ~40 ms for delayed ACKs (Nagle)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((settings.http_host, settings.http_port))

@@ -131,6 +131,14 @@ class Service:
             idle_timeout_s=settings.idle_timeout_s,
         )
         self.predictions = PredictionLog(wall_clock)
+        self._handlers: dict[type, Callable[[Event], None]] = {
+            RequestStarted: self._on_request_started,
+            PrefixHit: self._on_prefix_hit,
+            BlocksStored: self._on_blocks_stored,
+            BlocksRemoved: self._on_blocks_removed,
+            BlocksLoaded: self._on_blocks_loaded,
+            WorkflowFinished: self._on_workflow_finished,
+        }
         self.counts: Counter[str] = Counter()
         self.decision_counts: Counter[str] = Counter()
         self._last_host_eviction_s = -1e18
@@ -339,73 +347,80 @@ class Service:
             self._apply_items(items)
 
     def _apply_items(self, items: Sequence[Any]) -> None:
-        if not items:
-            return
-        with self.lock:
-            for item in items:
-                self.engine.apply(item.batch)
         for item in items:
+            with self.lock:  # per batch: HTTP decisions wait at most one batch
+                self.engine.apply(item.batch)
             if item.batch.events:
                 self.history.record_batch(item.batch, received_ts=item.received_ts)
 
     def _observe(self, event: Event) -> None:
         """Bookkeeping after the Engine and the policy saw ``event`` (under the lock)."""
-        kind = type(event)
-        c = self.counts
-        if kind is RequestStarted:
-            assert isinstance(event, RequestStarted)
-            c["requests"] += 1
-            learn_prompt(self.shards, event.block_hashes, event.prompt_tokens)
-            if not self._owns_predictor():
-                self.predictor.observe_call(
-                    event.workflow_id, event.workflow_type, event.agent, event.hints, event.ts
-                )
+        handler = self._handlers.get(type(event))
+        if handler is not None:
+            handler(event)
+
+    def _on_request_started(self, event: Event) -> None:
+        assert isinstance(event, RequestStarted)
+        self.counts["requests"] += 1
+        learn_prompt(self.shards, event.block_hashes, event.prompt_tokens)
+        predictor = self.predictor
+        if not self._owns_predictor():
+            predictor.observe_call(
+                event.workflow_id, event.workflow_type, event.agent, event.hints, event.ts
+            )
+        log_forecast = self.predictions.wants_forecast(event.workflow_id, self.clock())
+        forecast = None
+        if log_forecast:
             try:
-                forecast = self.predictor.predict(event.workflow_id)
+                forecast = predictor.predict(event.workflow_id)
             except KeyError:
                 forecast = None
-            wf = self.engine.state.workflows.get(event.workflow_id)
-            wtype = wf.workflow_type if wf is not None else event.workflow_type
-            self.predictions.on_call(event.workflow_id, wtype, event.agent, forecast)
-            alarms = sum(self.predictor.tracker.drifts.values())
-            if alarms > self._drift_alarms:
-                self._drift_alarms, self._drift_last_ts = alarms, self.wall_clock()
-        elif kind is PrefixHit:
-            assert isinstance(event, PrefixHit)
-            c["prompt_blocks"] += event.gpu_blocks + event.host_blocks + event.recomputed_blocks
-            c["gpu_hit_blocks"] += event.gpu_blocks
-            c["host_hit_blocks"] += event.host_blocks
-            c["recomputed_blocks"] += event.recomputed_blocks
-        elif kind is BlocksStored:
-            assert isinstance(event, BlocksStored)
-            if event.tier == "host":
-                c["host_written_bytes"] += len(event.block_hashes) * self.kv_bytes_per_block
-        elif kind is BlocksRemoved:
-            assert isinstance(event, BlocksRemoved)
-            if event.tier == "host":
-                self._last_host_eviction_s = self.clock()
-        elif kind is BlocksLoaded:
-            assert isinstance(event, BlocksLoaded)
-            c["host_loaded_bytes"] += len(event.block_hashes) * self.kv_bytes_per_block
-        elif kind is WorkflowFinished:
-            assert isinstance(event, WorkflowFinished)
-            if not self._owns_predictor():
-                self.predictor.observe_finished(event.workflow_id)
-            self.predictions.on_finished(event.workflow_id)
-            wf = self.engine.state.workflows.get(event.workflow_id)
-            resident = self.engine.state.resident
-            n = (
-                len([b for b in wf.blocks if b in resident["gpu"] or b in resident["host"]])
-                if wf
-                else 0
-            )
-            self._decision(
-                "retire",
-                tier=None,
-                workflow_id=event.workflow_id,
-                n_blocks=n,
-                reason=f"workflow finished ({event.reason}): its {n} cached blocks are retired",
-            )
+        wf = self.engine.state.workflows.get(event.workflow_id)
+        wtype = wf.workflow_type if wf is not None else event.workflow_type
+        self.predictions.on_call(event.workflow_id, wtype, event.agent, forecast)
+        alarms = sum(predictor.tracker.drifts.values())
+        if alarms > self._drift_alarms:
+            self._drift_alarms, self._drift_last_ts = alarms, self.wall_clock()
+
+    def _on_prefix_hit(self, event: Event) -> None:
+        assert isinstance(event, PrefixHit)
+        c = self.counts
+        c["prompt_blocks"] += event.gpu_blocks + event.host_blocks + event.recomputed_blocks
+        c["gpu_hit_blocks"] += event.gpu_blocks
+        c["host_hit_blocks"] += event.host_blocks
+        c["recomputed_blocks"] += event.recomputed_blocks
+
+    def _on_blocks_stored(self, event: Event) -> None:
+        assert isinstance(event, BlocksStored)
+        if event.tier == "host":
+            self.counts["host_written_bytes"] += len(event.block_hashes) * self.kv_bytes_per_block
+
+    def _on_blocks_removed(self, event: Event) -> None:
+        assert isinstance(event, BlocksRemoved)
+        if event.tier == "host":
+            self._last_host_eviction_s = self.clock()
+
+    def _on_blocks_loaded(self, event: Event) -> None:
+        assert isinstance(event, BlocksLoaded)
+        self.counts["host_loaded_bytes"] += len(event.block_hashes) * self.kv_bytes_per_block
+
+    def _on_workflow_finished(self, event: Event) -> None:
+        assert isinstance(event, WorkflowFinished)
+        if not self._owns_predictor():
+            self.predictor.observe_finished(event.workflow_id)
+        self.predictions.on_finished(event.workflow_id)
+        wf = self.engine.state.workflows.get(event.workflow_id)
+        resident = self.engine.state.resident
+        n = 0
+        if wf is not None:
+            n = len(wf.blocks) - len(wf.blocks.difference(resident["gpu"], resident["host"]))
+        self._decision(
+            "retire",
+            tier=None,
+            workflow_id=event.workflow_id,
+            n_blocks=n,
+            reason=f"workflow finished ({event.reason}): its {n} cached blocks are retired",
+        )
 
     # ---- decisions -----------------------------------------------------------------------------
 
