@@ -45,7 +45,6 @@ from policyd.sim.profiles import get_profile
 from policyd.types import (
     SNAPSHOT_CODEC,
     TIERS,
-    Admit,
     BlocksLoaded,
     BlocksRemoved,
     BlocksStored,
@@ -55,24 +54,22 @@ from policyd.types import (
     RequestStarted,
     Tier,
     WorkflowFinished,
-    WriteFilter,
 )
 from policyd.wire import SNAPSHOT_TOPIC
 
 log = logging.getLogger(__name__)
 
-PRESSURE_WINDOW_S: Final = 60.0  # EfficientAgent: an eviction in the last 60 s
 TIER_NAMES: Final[dict[str, Tier]] = {"gpu": "gpu", "host": "host"}
 
-# live settings -> the constructor parameter names a policy may take for them
-POLICY_PARAMS: Final[dict[str, tuple[str, ...]]] = {
-    "lookahead_k": ("k", "lookahead_k"),
-    "discount": ("discount",),
-    "prefetch_budget_blocks": ("prefetch_budget_blocks",),
-    "write_filter_mode": ("write_filter_mode",),
-    "write_filter_kappa_chunks": ("write_filter_kappa_chunks", "kappa_chunks", "kappa"),
-    "write_filter_theta": ("write_filter_theta", "theta"),
-    "host_tier_gib": ("host_tier_gib",),
+# live settings -> the constructor parameter a policy takes for it (policies/*.py); a policy
+# without the parameter ignores the setting (it is still stored and shown)
+POLICY_PARAMS: Final[dict[str, str]] = {
+    "lookahead_k": "k",
+    "discount": "discount",
+    "write_filter_mode": "mode",
+    "write_filter_kappa_chunks": "kappa_chunks",
+    "write_filter_theta": "theta",
+    "host_tier_gib": "host_blocks",
 }
 
 
@@ -141,7 +138,6 @@ class Service:
         }
         self.counts: Counter[str] = Counter()
         self.decision_counts: Counter[str] = Counter()
-        self._last_host_eviction_s = -1e18
         self._drift_alarms = 0
         self._drift_last_ts: float | None = None
         self._stats_mark: dict[str, int] = {}
@@ -258,12 +254,15 @@ class Service:
         """The named policy with the live settings it takes (by constructor parameter name)."""
         cls = POLICIES[name]
         accepted = set(inspect.signature(cls.__init__).parameters)
-        params: dict[str, object] = {}
-        for key, names in POLICY_PARAMS.items():
-            for pname in names:
-                if pname in accepted:
-                    params[pname] = self.tunables[key]
-                    break
+        params: dict[str, object] = {
+            pname: self.tunables[key] for key, pname in POLICY_PARAMS.items() if pname in accepted
+        }
+        if "host_blocks" in params:
+            params["host_blocks"] = self._host_blocks()
+        if "gpu_blocks" in accepted:
+            params["gpu_blocks"] = self.gpu_blocks
+        if "kv_bytes_per_block" in accepted:
+            params["kv_bytes_per_block"] = self.kv_bytes_per_block
         if "predictor" in accepted:
             resize_predictor(self.predictor, self.int_setting("lookahead_k"))
             params["predictor"] = self.predictor
@@ -398,7 +397,7 @@ class Service:
     def _on_blocks_removed(self, event: Event) -> None:
         assert isinstance(event, BlocksRemoved)
         if event.tier == "host":
-            self._last_host_eviction_s = self.clock()
+            self.counts["host_evicted_blocks"] += len(event.block_hashes)
 
     def _on_blocks_loaded(self, event: Event) -> None:
         assert isinstance(event, BlocksLoaded)
@@ -470,7 +469,6 @@ class Service:
     def decide_admit(self, request_id: str, block_hashes: Sequence[int]) -> dict[str, Any]:
         with self.lock:
             admit = self.engine.admit(request_id, block_hashes)
-            admit = self._filter_writes(admit)
             req = self.engine.state.requests.get(request_id)
             workflow_id = req.workflow_id if req is not None else None
         self.counts["write_declined_blocks"] += len(admit.declined)
@@ -510,46 +508,8 @@ class Service:
             )
         return {"prefetch": blocks}
 
-    # ---- write filter (EfficientAgent) on top of the policy -------------------------------------
-
     def _host_blocks(self) -> int:
         return int(self.float_setting("host_tier_gib") * GiB // self.kv_bytes_per_block)
-
-    def _pressure(self) -> bool:
-        """Working set > host capacity, occupancy >= theta, a host eviction in the last 60 s."""
-        capacity = self._host_blocks()
-        ws = self.sizing_view.get("working_set_blocks")
-        occupancy = len(self.engine.state.resident["host"]) / capacity if capacity else 1.0
-        recent = self.clock() - self._last_host_eviction_s <= PRESSURE_WINDOW_S
-        return (
-            ws is not None
-            and ws > capacity
-            and occupancy >= self.float_setting("write_filter_theta")
-            and recent
-        )
-
-    def _write_filter(self) -> WriteFilter:
-        mode = self.tunables["write_filter_mode"]
-        if mode not in ("fixed", "conditioned"):
-            return WriteFilter()
-        kappa = self.int_setting("write_filter_kappa_chunks")
-        return WriteFilter(mode=mode, max_new_blocks=kappa, pressure=self._pressure())
-
-    def _filter_writes(self, admit: Admit) -> Admit:
-        wf = self._write_filter()
-        if wf.mode == "none" or (wf.mode == "conditioned" and not wf.pressure):
-            return admit
-        host = self.engine.state.resident["host"]
-        new = [b for b in admit.block_hashes if b not in host]
-        if len(new) <= wf.max_new_blocks:
-            return admit
-        why = "under pressure" if wf.mode == "conditioned" else "fixed filter"
-        return Admit(
-            request_id=admit.request_id,
-            block_hashes=tuple(b for b in admit.block_hashes if b in host),
-            declined=tuple(admit.declined) + tuple(new),
-            reason=f"write filter ({why}): {len(new)} new blocks > kappa {wf.max_new_blocks}",
-        )
 
     # ---- snapshots -----------------------------------------------------------------------------
 
@@ -558,10 +518,6 @@ class Service:
         with self.lock:
             snap = self.engine.snapshot()
             changes: dict[str, object] = {}
-            if snap.write_filter == WriteFilter():
-                wf = self._write_filter()
-                if wf != snap.write_filter:
-                    changes["write_filter"] = wf
             budget = self.int_setting("prefetch_budget_blocks")
             if budget > 0 and not snap.stage:
                 changes["stage"] = tuple(self.engine.prefetch(budget))

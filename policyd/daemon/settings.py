@@ -251,13 +251,16 @@ def tunables() -> dict[str, Tunable]:
                 "score (PBKV's gamma).", min=0.0, max=1.0, min_exclusive=True),
         Tunable("prefetch_budget_blocks", int, 0, "Blocks staged/prefetched per snapshot "
                 "(0: no prefetch).", min=0),
-        Tunable("write_filter_mode", str, "none", "Host-tier write filter: none = write all, "
-                "fixed = always decline large refills, conditioned = only under pressure "
-                "(EfficientAgent).", choices=("none", "fixed", "conditioned")),
-        Tunable("write_filter_kappa_chunks", int, 8, "A request adding more new blocks than "
-                "this is a large refill the filter may decline (EfficientAgent's kappa).", min=1),
+        Tunable("write_filter_mode", str, "conditioned", "Host-tier write filter of policies "
+                "that have one (efficientagent): none = write all, fixed = always decline large "
+                "refills, conditioned = only under pressure.",
+                choices=("none", "fixed", "conditioned")),
+        Tunable("write_filter_kappa_chunks", int, 8, "A request adding more than this many new "
+                "chunks (1024 tokens each) is a large refill the filter may decline "
+                "(EfficientAgent's kappa).", min=1),
         Tunable("write_filter_theta", float, 0.95, "Host-tier occupancy at or above which the "
-                "tier counts as under pressure.", min=0.0, max=1.0, min_exclusive=True),
+                "tier counts as under pressure (write filter).", min=0.0, max=1.0,
+                min_exclusive=True),
         Tunable("host_tier_gib", float, 256.0, "Current host-tier size (sizing and pressure).",
                 min=0.0),
         Tunable("block_sample_rate", float, 1.0, "Share of block-level rows the history keeps.",
