@@ -320,3 +320,36 @@ def test_default_paths(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         HistoryConfig(db_path=tmp_path / "a.duckdb", block_sample_rate=1.5)
     with pytest.raises(ValueError, match="differ"):
         HistoryConfig(db_path=tmp_path / "a.duckdb", snapshot_path=tmp_path / "a.duckdb")
+
+
+def test_a_simulated_workload_lands_whole(tmp_path: Path) -> None:
+    """The simulator's own event batches (every event type it emits) become exactly the rows
+    their events describe."""
+    from policyd.sim.replay import SimConfig  # noqa: PLC0415
+    from policyd.workloads.synthetic import synthetic_agents  # noqa: PLC0415
+    from tests.conftest import replay  # noqa: PLC0415
+
+    workload = synthetic_agents(seed=3, workflows=12, min_steps=2, max_steps=5, mean_gap_s=0.1)
+    run = replay(workload, "lru", SimConfig(concurrency=4, gpu_blocks=400, host_blocks=800))
+    events = run.events
+    starts = [e for e in events if isinstance(e, RequestStarted)]
+    hits = [e for e in events if isinstance(e, PrefixHit)]
+    per_kind = {
+        "stored": sum(len(e.block_hashes) for e in events if isinstance(e, BlocksStored)),
+        "removed": sum(len(e.block_hashes) for e in events if isinstance(e, BlocksRemoved)),
+        "loaded": sum(len(e.block_hashes) for e in events if isinstance(e, BlocksLoaded)),
+        "hit": sum(e.gpu_blocks + e.host_blocks for e in hits),
+    }
+    assert starts and per_kind["stored"] and per_kind["removed"]
+    with History(config(tmp_path), clock=FakeClock()) as h:
+        for i, batch in enumerate(run.engine.batches):
+            h.record_batch(batch, received_ts=NOW + i)
+        rows = h.query_live("SELECT kind, count(*) FROM block_accesses GROUP BY 1")
+        counts = {str(kind): n for kind, n in rows}
+        requests = h.query_live(
+            "SELECT count(*), count(gpu_hit_blocks), count(finished_ts), "
+            "sum(gpu_hit_blocks + host_hit_blocks + recomputed_blocks) FROM requests"
+        )[0]
+    assert counts == {kind: n for kind, n in per_kind.items() if n}
+    assert requests[:3] == (len(starts), len(hits), len(starts))
+    assert requests[3] == sum(e.gpu_blocks + e.host_blocks + e.recomputed_blocks for e in hits)
