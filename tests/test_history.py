@@ -22,6 +22,7 @@ from policyd.history import (
     run_readonly_query,
 )
 from policyd.history.fanout import block_keep_mask
+from policyd.sim.replay import SimConfig
 from policyd.types import (
     BlocksLoaded,
     BlocksRemoved,
@@ -32,6 +33,8 @@ from policyd.types import (
     RequestStarted,
     WorkflowFinished,
 )
+from policyd.workloads.synthetic import synthetic_agents
+from tests.conftest import replay
 
 NOW = 1_800_000_000.0
 
@@ -325,10 +328,6 @@ def test_default_paths(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 def test_a_simulated_workload_lands_whole(tmp_path: Path) -> None:
     """The simulator's own event batches (every event type it emits) become exactly the rows
     their events describe."""
-    from policyd.sim.replay import SimConfig  # noqa: PLC0415
-    from policyd.workloads.synthetic import synthetic_agents  # noqa: PLC0415
-    from tests.conftest import replay  # noqa: PLC0415
-
     workload = synthetic_agents(seed=3, workflows=12, min_steps=2, max_steps=5, mean_gap_s=0.1)
     run = replay(workload, "lru", SimConfig(concurrency=4, gpu_blocks=400, host_blocks=800))
     events = run.events
