@@ -196,8 +196,9 @@ class History:
             return True
 
     def record(self, table: str, rows: Sequence[Mapping[str, object]]) -> bool:
-        """Queue rows for ``table``. Unknown table or column -> ValueError; over the queue's
-        bound -> the rows are dropped and counted, and False is returned."""
+        """Queue rows for ``table`` (the dicts are kept, not copied: do not mutate them after).
+        Unknown table or column -> ValueError; over the queue's bound -> the rows are dropped
+        and counted, and False is returned. A missing column is NULL."""
         check_rows(table, rows)
         if not rows:
             return True
