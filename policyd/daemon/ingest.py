@@ -189,8 +189,9 @@ class Receiver:
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 1024)
-        # ZeroMQ drops an oversized message at the transport, before it is buffered
-        self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + 1024)
+        # far beyond the codec's limit ZeroMQ drops the message (and the peer's connection) at
+        # the transport, before buffering it; in between, the codec rejects and counts it
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_frame_bytes)
         self._sock.bind(endpoint)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = threading.Event()

@@ -12,6 +12,7 @@ daemon stops.
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ class _Pending:
 class _Workflow:
     workflow_type: str
     calls: int = 0
+    last_agent: str | None = None
     logged_s: float = -1e18  # the daemon's clock when a forecast was last logged
     pending: list[_Pending] = field(default_factory=list)
 
@@ -53,6 +55,15 @@ class PredictionLog:
         self.recent: deque[dict[str, object]] = deque(maxlen=recent_max)
         self.resolved = 0
         self.correct = 0
+
+    def __getstate__(self) -> dict[str, object]:
+        state = dict(self.__dict__)
+        del state["wall_clock"]  # a clock need not pickle; the restoring service sets its own
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self.wall_clock = time.time
 
     def wants_forecast(self, workflow_id: str, now_s: float) -> bool:
         """Whether to log a forecast after this call: always, unless the workflow's calls come
@@ -84,6 +95,7 @@ class PredictionLog:
         else:
             self._workflows.move_to_end(workflow_id)
         wf.calls += 1
+        wf.last_agent = agent
         self._resolve(workflow_id, wf, wf.calls, agent)
         if forecast is not None:
             now = self.wall_clock()
@@ -139,6 +151,11 @@ class PredictionLog:
             "correct": correct,
             "resolved_ts": resolved_ts,
         }
+
+    def describe(self, workflow_id: str) -> tuple[str, str | None] | None:
+        """(workflow type, last agent) of a workflow seen calling, else None."""
+        wf = self._workflows.get(workflow_id)
+        return (wf.workflow_type, wf.last_agent) if wf is not None else None
 
     def take_rows(self, include_pending: bool = False) -> list[dict[str, object]]:
         """Resolved rows since the last call (and, at shutdown, the unresolved ones)."""

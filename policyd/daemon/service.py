@@ -119,6 +119,7 @@ class Service:
             "moved_to": None,
         }
         self.checkpoint_saves = 0
+        self._restored_predictions: PredictionLog | None = None
         self._restore()
         self.engine = _ServiceEngine(
             self._build_policy(str(self.tunables["policy"])),
@@ -127,7 +128,8 @@ class Service:
             snapshot_ttl_s=settings.snapshot_ttl_s,
             idle_timeout_s=settings.idle_timeout_s,
         )
-        self.predictions = PredictionLog(wall_clock)
+        self.predictions = self._restored_predictions or PredictionLog(wall_clock)
+        self.predictions.wall_clock = wall_clock
         self._handlers: dict[type, Callable[[Event], None]] = {
             RequestStarted: self._on_request_started,
             PrefixHit: self._on_prefix_hit,
@@ -305,6 +307,9 @@ class Service:
         if not models:
             return
         predictor, shards = models.get("predictor"), models.get("shards")
+        predictions = models.get("predictions")
+        if isinstance(predictions, PredictionLog):
+            self._restored_predictions = predictions
         if isinstance(predictor, Predictor):
             self.predictor = predictor
             self.tunables["lookahead_k"] = predictor.k
@@ -320,6 +325,7 @@ class Service:
         with self.lock:
             models = {
                 "predictor": self.predictor,
+                "predictions": self.predictions,
                 "shards": self.shards,
                 "tunables": dict(self.tunables),
             }

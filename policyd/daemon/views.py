@@ -109,12 +109,9 @@ def predictions_view(service: Service, limit: int = 50) -> dict[str, Any]:
         predictor = service.predictor
         tracker = predictor.tracker
         k = predictor.k
-        state = service.engine.state
         workflows = []
-        for wid in reversed(predictor.active()):
-            wf = state.workflows.get(wid)
-            if wf is None or wf.done:
-                continue
+        for wid in reversed(predictor.active()):  # the predictor's active workflows survive
+            described = service.predictions.describe(wid)  # a restart (checkpointed)
             try:
                 forecast = predictor.predict(wid)
             except KeyError:
@@ -122,8 +119,8 @@ def predictions_view(service: Service, limit: int = 50) -> dict[str, Any]:
             workflows.append(
                 {
                     "workflow_id": wid,
-                    "workflow_type": wf.workflow_type,
-                    "last_agent": wf.agents[-1] if wf.agents else None,
+                    "workflow_type": described[0] if described else None,
+                    "last_agent": described[1] if described else None,
                     "steps": forecast_view(forecast),
                 }
             )

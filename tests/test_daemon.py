@@ -1,0 +1,262 @@
+"""The daemon's shell, in-process with real sockets and a real DuckDB file: malformed frames are
+rejected and counted while the daemon keeps serving; overload sheds block-level events only,
+counted; ingest coalescing preserves outcomes; checkpoints survive and corrupt ones are set
+aside; settings are validated before anything is applied."""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from policyd.daemon import checkpoint, views
+from policyd.daemon.ingest import IngestQueue, coalesce, keep_rate, shed
+from policyd.daemon.server import RunningDaemon, start_daemon
+from policyd.daemon.service import Service
+from policyd.daemon.settings import DaemonSettings, validate_tunables
+from policyd.engine import Engine
+from policyd.policies import make_policy
+from policyd.predictor import Predictor
+from policyd.types import (
+    BATCH_CODEC,
+    BlocksRemoved,
+    BlocksStored,
+    Event,
+    EventBatch,
+    PrefixHit,
+    RequestFinished,
+    RequestStarted,
+    WorkflowFinished,
+)
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def settings_for(tmp_path: Path, **extra: object) -> DaemonSettings:
+    values: dict[str, object] = {
+        "db": tmp_path / "history.duckdb",
+        "events": "tcp://127.0.0.1:*",
+        "snapshots": "tcp://127.0.0.1:*",
+        "http_port": 0,
+        "stats_interval_s": 0.5,
+        "sizing_interval_s": 1.0,
+    }
+    values.update(extra)
+    return DaemonSettings.load(values)
+
+
+def workflow_events(
+    w: int, agents: tuple[str, ...] = ("planner", "coder", "tester")
+) -> list[Event]:
+    """One workflow: a request per agent (start, hit, stored, finish), then its end."""
+    out: list[Event] = []
+    for i, agent in enumerate(agents):
+        rid = f"w{w}.{i}"
+        blocks = tuple(range(w * 1000, w * 1000 + 4 + i))
+        out += [
+            RequestStarted(ts=float(i), request_id=rid, workflow_id=f"w{w}", agent=agent,
+                           workflow_type="code", block_hashes=blocks,
+                           prompt_tokens=16 * len(blocks)),
+            PrefixHit(ts=float(i), request_id=rid, gpu_blocks=2, host_blocks=1,
+                      recomputed_blocks=len(blocks) - 3),
+            BlocksStored(ts=float(i), tier="gpu", block_hashes=blocks, request_id=rid),
+            RequestFinished(ts=float(i), request_id=rid, output_tokens=4),
+        ]  # fmt: skip
+    out.append(WorkflowFinished(ts=9.0, workflow_id=f"w{w}"))
+    return out
+
+
+# ---- shedding and coalescing (units on the real queue) -----------------------------------------
+
+
+def block(i: int) -> BlocksStored:
+    return BlocksStored(ts=0.0, tier="gpu", block_hashes=(i,))
+
+
+def test_keep_rate_falls_linearly_between_the_bounds() -> None:
+    assert keep_rate(0, 10, 20) == 1.0
+    assert keep_rate(10, 10, 20) == 1.0
+    assert keep_rate(15, 10, 20) == pytest.approx(0.5)
+    assert keep_rate(20, 10, 20) == 0.0
+
+
+def test_shedding_samples_block_events_and_never_request_events() -> None:
+    request_events = workflow_events(1)
+    events: list[Event] = [*request_events, *(block(i) for i in range(2000))]
+    batch = EventBatch(source="s", seq=1, events=tuple(events))
+    kept, dropped = shed(batch, 0.25)
+    assert 0 < dropped < 2000
+    assert len(kept.events) + dropped == len(events)
+    kinds = [type(e) for e in kept.events]
+    for kind in (RequestStarted, PrefixHit, RequestFinished, WorkflowFinished):
+        assert kinds.count(kind) == sum(type(e) is kind for e in request_events)
+    assert 0.15 < (2000 - dropped) / 2000 < 0.35  # about the rate
+    # the same block is kept or shed alike at one rate (hash sampling)
+    again, _ = shed(batch, 0.25)
+    assert again.events == kept.events
+
+
+def test_overloaded_queue_sheds_counts_and_keeps_every_batch() -> None:
+    queue = IngestQueue(max_frames=20, shed_above=5)
+    for seq in range(1, 41):  # nobody drains: the queue grows past both bounds
+        events: tuple[Event, ...] = (
+            *(block(seq * 1000 + i) for i in range(50)),
+            WorkflowFinished(ts=0.0, workflow_id=f"w{seq}"),
+        )
+        queue.offer(EventBatch(source="s", seq=seq, events=events), received_ts=0.0)
+    c = queue.counters
+    assert c.events_received == 40 * 51
+    assert c.events_shed > 0
+    items = queue.take(100, 0.0)
+    assert [it.batch.seq for it in items] == list(range(1, 41))  # no seq gap is made up
+    assert sum(isinstance(e, WorkflowFinished) for it in items for e in it.batch.events) == 40
+    # past max_frames every block event is shed
+    assert all(not any(isinstance(e, BlocksStored) for e in it.batch.events) for it in items[20:])
+
+
+def test_coalescing_runs_gives_the_engine_the_same_state() -> None:
+    events: list[Event] = []
+    for w in range(3):
+        events += workflow_events(w)
+    events += [block(i) for i in range(5)]
+    events += [BlocksRemoved(ts=0.0, tier="gpu", block_hashes=(i,)) for i in range(3)]
+    events += [BlocksStored(ts=0.0, tier="host", block_hashes=(i,)) for i in range(4)]
+    batch = EventBatch(source="s", seq=1, events=tuple(events))
+    merged = coalesce(batch)
+    assert len(merged.events) < len(batch.events)
+    plain, fused = (
+        Engine(make_policy("lru"), clock=lambda: 0.0),
+        Engine(make_policy("lru"), clock=lambda: 0.0),
+    )
+    plain.apply(batch)
+    fused.apply(merged)
+    assert plain.state.resident == fused.state.resident
+    assert plain.state.recency.keys() == fused.state.recency.keys()
+
+
+# ---- settings ------------------------------------------------------------------------------------
+
+
+def test_tunables_are_validated_with_clear_messages() -> None:
+    good, errors = validate_tunables(
+        {"lookahead_k": 4, "discount": 0.0, "policy": "nope", "bogus": 1, "write_filter_mode": 3,
+         "host_tier_gib": 12}
+    )  # fmt: skip
+    assert good == {"lookahead_k": 4, "host_tier_gib": 12.0}
+    assert "discount must be > 0.0" in errors["discount"]
+    assert "policy must be one of" in errors["policy"]
+    assert "unknown setting 'bogus'" in errors["bogus"]
+    assert "must be a string" in errors["write_filter_mode"]
+    _, errors = validate_tunables({"lookahead_k": True, "snapshot_interval_s": float("nan")})
+    assert set(errors) == {"lookahead_k", "snapshot_interval_s"}
+
+
+def test_env_settings_are_read_once_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POLICYD_HTTP_PORT", "9999")
+    monkeypatch.setenv("POLICYD_API_TOKEN", "t0k")
+    settings = DaemonSettings.load({"http_port": None})
+    assert settings.http_port == 9999 and settings.token == "t0k"
+    assert DaemonSettings.load({"http_port": 1234}).http_port == 1234  # flags win
+    monkeypatch.setenv("POLICYD_HTTP_PORT", "many")
+    with pytest.raises(ValueError, match="POLICYD_HTTP_PORT"):
+        DaemonSettings.load()
+    monkeypatch.delenv("POLICYD_HTTP_PORT")
+    with pytest.raises(ValueError, match="unknown policy"):
+        DaemonSettings.load({"policy": "belady"})  # an offline oracle cannot serve
+    assert all(help_text for _, _, help_text in DaemonSettings.describe())
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+
+def test_checkpoint_round_trip_and_corrupt_files_are_set_aside(tmp_path: Path) -> None:
+    path = tmp_path / "m.ckpt"
+    predictor = Predictor(k=2)
+    for w in range(10):
+        for a in ("a", "b"):
+            predictor.observe_call(f"w{w}", "t", a, {}, 0.0)
+        predictor.observe_finished(f"w{w}")
+    checkpoint.save(path, {"predictor": predictor})
+    restored = checkpoint.load(path)
+    assert restored.models is not None
+    again = restored.models["predictor"]
+    assert isinstance(again, Predictor)
+    assert again.tracker.checked == predictor.tracker.checked
+    assert not list(tmp_path.glob(".*tmp*"))  # written via a temporary file + os.replace
+
+    for bad in (b"not a pickle", pickle.dumps({"format": 999, "models": {}}), b""):
+        path.write_bytes(bad)
+        result = checkpoint.load(path)
+        assert result.models is None and result.error
+        assert not path.exists()
+        assert result.moved_to is not None and result.moved_to.exists()
+        assert ".corrupt-" in result.moved_to.name
+    assert checkpoint.load(tmp_path / "missing.ckpt").models is None  # fresh start, no error
+
+
+def test_a_daemon_starts_fresh_beside_a_corrupt_checkpoint(tmp_path: Path) -> None:
+    settings = settings_for(tmp_path)
+    settings.checkpoint_path.write_bytes(b"\x80\x04garbage")
+    running = start_daemon(settings)
+    try:
+        info = views.stats(running.service)["checkpoint"]
+        assert info["restored"] is False and info["error"]
+        assert ".corrupt-" in str(info["moved_to"])
+        assert running.service.ready()["ready"]
+    finally:
+        running.stop()
+    assert list(tmp_path.glob("*.model.ckpt.corrupt-*"))
+    assert settings.checkpoint_path.exists()  # a fresh checkpoint was written at shutdown
+    assert Service(settings).checkpoint_info["restored"] is True
+
+
+# ---- the running daemon: malformed frames --------------------------------------------------------
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[RunningDaemon]:
+    running = start_daemon(settings_for(tmp_path, max_frame_bytes=64 * 1024))
+    yield running
+    running.stop()
+
+
+def test_malformed_frames_are_rejected_counted_and_the_daemon_keeps_serving(
+    daemon: RunningDaemon,
+) -> None:
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(daemon.events_endpoint)
+    good = BATCH_CODEC.encode(EventBatch(source="t", seq=1, events=tuple(workflow_events(1))))
+    encoder = msgspec.msgpack.Encoder()
+    bad = [
+        good[: len(good) // 2],  # truncated
+        encoder.encode((2, {"source": "t", "seq": 1, "events": []})),  # wrong version
+        encoder.encode((1, {"source": "t", "seq": "one", "events": []})),  # wrong types
+        encoder.encode((1, {"source": "t", "seq": 1, "events": [{"type": "Nope", "ts": 0}]})),
+        b"\xc1",  # not msgpack
+        encoder.encode((1, {"source": "t", "seq": 1, "events": [], "x": b"0" * 100_000})),  # huge
+    ]
+    for frame in bad:
+        push.send(frame)
+    push.send(good)
+    service = daemon.service
+    assert wait_for(lambda: views.stats(service)["requests"] == 3)
+    stats = views.stats(service)
+    assert stats["malformed_frames"] == len(bad)
+    assert stats["events"] == len(workflow_events(1))
+    assert stats["last_malformed"]
+    assert service.ready()["ready"]
+    push.close(0)
+    ctx.term()
