@@ -329,6 +329,26 @@ def test_work_per_forecast_is_bounded_by_the_beam() -> None:
     assert predictor.stats()["active"] <= 20
 
 
+def test_the_path_cache_changes_no_forecast() -> None:
+    """Caching the context model's relative features and dot products per path (recomputed
+    when its weights change) is an optimisation only: every forecast and the learnt state are
+    those of a predictor that caches nothing."""
+    cached, uncached = Predictor(k=3), Predictor(k=3, max_paths=0)
+    for call, pos, ended in interleave(fact_checking(seed=4, workflows=60), 8):
+        for predictor in (cached, uncached):
+            if pos:
+                predictor.predict(call.workflow_id)
+            if ended:
+                predictor.observe_finished(call.workflow_id)
+            else:
+                args = (call.workflow_type, call.agent, call.hints, float(pos))
+                predictor.observe_call(call.workflow_id, *args)
+        if pos and not ended:
+            assert cached.predict(call.workflow_id) == uncached.predict(call.workflow_id)
+    assert cached.stats()["accuracy"] == uncached.stats()["accuracy"]
+    assert cached._type("fact-checking").context.version > 100  # the weights did change
+
+
 def test_invalid_use_is_refused() -> None:
     predictor = Predictor()
     with pytest.raises(KeyError, match="not active"):
@@ -398,6 +418,20 @@ def test_eval_command_prints_a_table_and_the_command(capsys: pytest.CaptureFixtu
     out = capsys.readouterr().out
     assert "financial" in out and "fact-checking" in out and "Markov @3" in out
     assert "python -m policyd.predictor_eval --workloads financial,fact-checking" in out
+
+
+def test_eval_cost_table_reports_a_ratio_to_the_reference_loop(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--workloads", "financial", "--workflows", "30", "--concurrency", "4", "--cost"]
+    assert predictor_eval.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Predictor cost per call" in out and "x ref (IQR)" in out
+    result = evaluate(code_writing(seed=1, workflows=40), Predictor(k=3), concurrency=8)
+    assert len(result.cost_us) == result.calls + result.workflows
+    assert len(result.ratios) == len(result.cost_us) // predictor_eval.COST_CHUNK
+    assert result.ratio() > 0 and result.quiet_us() > 0
+    assert result.predict_us > 0 and result.learn_us > 0
 
 
 def test_unknown_workload_is_refused() -> None:

@@ -27,6 +27,8 @@ from typing import Any
 
 from river import base
 
+Keys = list[tuple[tuple[str, ...], str]]  # a context's levels: (table key, owning type)
+
 
 class Counts:
     """The labels that followed one context: counts, their total, the ``top`` most frequent."""
@@ -118,9 +120,10 @@ class BackoffClassifier(base.Classifier):
     def _unit_test_params(cls) -> Iterator[dict[str, Any]]:
         yield {"order": 2}
 
-    def _keys(self, x: Mapping[str, object]) -> list[tuple[tuple[str, ...], str]]:
-        """The levels' context keys, most specific first, each with the type it belongs to
-        (``""`` for the levels shared by every type)."""
+    def context_keys(self, x: Mapping[str, object]) -> Keys:
+        """The levels' context keys of ``x``, most specific first, each with the type it belongs
+        to (``""`` for the levels shared by every type). A caller that learns from or asks about
+        the same context repeatedly computes them once (``learn_keys``, ``distribution_keys``)."""
         kind = str(x.get("type", ""))
         history: list[str] = []
         for i in range(1, self.order + 1):
@@ -147,9 +150,13 @@ class BackoffClassifier(base.Classifier):
         }
 
     def learn(self, x: Mapping[str, object], label: str) -> None:
-        """``learn_one`` for string labels and features, typed (the predictor's fast path)."""
+        """``learn_one`` for string labels and features, typed."""
+        self.learn_keys(self.context_keys(x), label)
+
+    def learn_keys(self, keys: Keys, label: str) -> None:
+        """``learn`` for a context whose ``keys`` were computed already (the fast path)."""
         tables = self._tables
-        for key, kind in self._keys(x):
+        for key, kind in keys:
             counts = tables.get(key)
             if counts is None:
                 counts = tables[key] = Counts(self.top)
@@ -173,10 +180,14 @@ class BackoffClassifier(base.Classifier):
 
     def distribution(self, x: Mapping[str, object]) -> dict[str, float]:
         """``predict_proba_one`` for string labels and features, typed."""
+        return self.distribution_keys(self.context_keys(x))
+
+    def distribution_keys(self, keys: Keys) -> dict[str, float]:
+        """``distribution`` for a context whose ``keys`` were computed already."""
         dist: dict[str, float] = {}
         left = 1.0  # mass not yet given out
         tables = self._tables
-        for key, _ in self._keys(x):
+        for key, _ in keys:
             counts = tables.get(key)
             if counts is None or counts.total <= 0.0:
                 continue

@@ -96,6 +96,7 @@ class ContextModel:
         self.l2 = l2
         self.scaler = preprocessing.StandardScaler()
         self.model = self._new_model()
+        self.version = 0  # changes whenever the weights do (callers cache dot products by it)
         self._names: dict[tuple[str, str], str] = {}
 
     def _new_model(self) -> linear_model.LogisticRegression:
@@ -108,6 +109,7 @@ class ContextModel:
     def reset(self) -> None:
         """Forget what was learnt about candidates (after drift); keep the scaler's moments."""
         self.model = self._new_model()
+        self.version += 1
 
     def hint_features(self, numeric: Features, onehot: Features) -> Features:
         """The hints' features: scaled numbers and one-hot strings."""
@@ -144,7 +146,7 @@ class ContextModel:
         return self.dot()(crossed) + float(self.model.intercept)
 
     def dot(self) -> Callable[[Features], float]:
-        """w.x for the current weights (valid until the next ``learn``)."""
+        """w.x for the current weights (valid until the next ``learn``: ``version`` says)."""
         # River's LogisticRegression is sigma(w.x + b); the roll-out splits w.x into a part
         # computed once per forecast and a part per step, so it needs the dot product itself.
         dot: Callable[[Features], float] = self.model._weights.dot
@@ -152,3 +154,4 @@ class ContextModel:
 
     def learn(self, features: Features, is_next: bool) -> None:
         self.model.learn_one(features, is_next)
+        self.version += 1

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from policyd.predictor.backoff import BackoffClassifier
+from policyd.predictor.backoff import BackoffClassifier, Keys
 from policyd.predictor.context import ContextModel, Features, sigmoid, split_hints
 from policyd.predictor.forecast import END, START, Forecast, random_forecast
 from policyd.predictor.mixture import Mixture
@@ -43,6 +43,17 @@ from policyd.types import HintValue
 
 EXPERTS = ("markov", "copy", "context")
 OTHER = "other"  # the copy expert's label for "not one of the recent agents"
+
+
+@dataclass(slots=True)
+class _Path:
+    """The candidates' complete relative features at one path through a structure (position,
+    run, their call counts), and their dot products with the context model's weights as of
+    ``version`` (recomputed when the weights changed)."""
+
+    relative: list[Features]
+    dots: list[float]
+    version: int
 
 
 @dataclass(slots=True)
@@ -57,6 +68,11 @@ class _Structure:
     relative: list[Features]  # per candidate: its relative features that depend on counts only
     markov_x: dict[str, str]
     copy_x: dict[str, str]
+    markov_keys: Keys  # the back-off levels of markov_x / copy_x, computed once
+    copy_keys: Keys
+    markov_p: list[float]  # per candidate, markov's / copy's probability
+    copy_p: list[float]
+    paths: dict[tuple[int, ...], _Path] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -66,7 +82,7 @@ class _Node:
     structure: _Structure
     labels: list[str]  # the structure's candidates
     probs: list[float]  # fused, per candidate, sums to 1
-    context: dict[str, float]  # the context expert's distribution over the candidates
+    context: list[float]  # the context expert's distribution over the candidates
     relative: list[Features]  # per candidate, complete
     scores: list[float]  # the context model's own P(candidate is next), before normalising
 
@@ -125,6 +141,9 @@ class Predictor:
         (and after every tenth of them while the type is young).
     max_cache
         Positions cached per type.
+    max_paths
+        Paths (position, run, call counts) cached per cached position, with the context
+        model's relative features and dot products (0: no cache; the forecasts are the same).
     learning_rate
         SGD step of the context model.
     sure
@@ -177,6 +196,7 @@ class Predictor:
         min_branch: float = 0.05,
         refresh: int = 16,
         max_cache: int = 20_000,
+        max_paths: int = 256,
         learning_rate: float = 0.1,
         sure: float = 0.02,
         expert_rate: float = 0.5,
@@ -202,6 +222,7 @@ class Predictor:
         self.min_branch = min_branch
         self.refresh = refresh
         self.max_cache = max_cache
+        self.max_paths = max_paths
         self.learning_rate = learning_rate
         self.sure = sure
         self.expert_rate = expert_rate
@@ -342,9 +363,11 @@ class Predictor:
         markov_x = {"type": kind}
         for i in range(1, min(self.order, len(history)) + 1):
             markov_x[f"h{i}"] = history[-i]
-        markov = self.markov.distribution(markov_x)
+        markov_keys = self.markov.context_keys(markov_x)
+        markov = self.markov.distribution_keys(markov_keys)
         copy_x = {"type": kind, "h1": f"run{min(position.run, 3)}", "h2": history[-1]}
-        copy = self._copy_distribution(position, copy_x, markov)
+        copy_keys = self.copy.context_keys(copy_x)
+        copy = self._copy_distribution(position, copy_keys, markov)
         w_markov, w_copy, _ = model.mixture.weights(history[-1])
         prior: dict[str, float] = {}
         for label, p in markov.items():
@@ -354,7 +377,19 @@ class Predictor:
         agents = sorted((a for a in prior if a != END), key=prior.__getitem__, reverse=True)
         labels = [*agents[: self.max_candidates - 1], END]
         relative = [counted_features(position, label, markov, copy) for label in labels]
-        structure = _Structure(model.learns, labels, markov, copy, relative, markov_x, copy_x)
+        structure = _Structure(
+            model.learns,
+            labels,
+            markov,
+            copy,
+            relative,
+            markov_x,
+            copy_x,
+            markov_keys,
+            copy_keys,
+            [markov.get(label, 0.0) for label in labels],
+            [copy.get(label, 0.0) for label in labels],
+        )
         if len(model.structures) >= self.max_cache:
             model.structures.clear()
         model.structures[key] = structure
@@ -364,34 +399,48 @@ class Predictor:
         return _Hints(position.numeric, context.hint_features(position.numeric, position.onehot))
 
     def _evaluate(self, position: Position, hints: _Hints) -> _Node:
-        """The fused one-step distribution at ``position`` (whose hints are ``hints``)."""
+        """The fused one-step distribution at ``position`` (whose hints are ``hints``).
+
+        The context model's score of a candidate is a hint part (once per forecast, in
+        ``hints``) plus a relative part that depends on the path only; the relative features
+        and their dot products are cached per (structure, path) and the dot products are
+        recomputed only when the weights have changed since: the same numbers, less work."""
         self._nodes += 1
-        model = self._type(position.kind)
+        model = self._types.get(position.kind) or self._type(position.kind)
         structure = self._structure(position, model)
         context = model.context
         labels = structure.labels
+        calls = position.calls
+        key = (position.pos, position.run, *[calls.get(label, 0) for label in labels[:-1]])
+        path = structure.paths.get(key)
+        if path is None:
+            relative = [
+                self._path(position, label, counted)
+                for label, counted in zip(labels, structure.relative, strict=True)
+            ]
+            path = _Path(relative, [], -1)
+            if len(structure.paths) >= self.max_paths:
+                structure.paths.clear()
+            if self.max_paths:
+                structure.paths[key] = path
+        if path.version != context.version:
+            dot = context.dot()
+            path.dots = [dot(features) for features in path.relative]
+            path.version = context.version
         crossed = hints.crossed
-        dot = context.dot()
-        relative: list[Features] = []
         scores: list[float] = []
-        for label, counted in zip(labels, structure.relative, strict=True):
-            features = self._path(position, label, counted)
-            relative.append(features)
+        for label, relative_margin in zip(labels, path.dots, strict=True):
             part = crossed.get(label) or self._crossed(context, hints, label)
-            scores.append(sigmoid(part[1] + dot(features)))
+            scores.append(sigmoid(part[1] + relative_margin))
         total = sum(scores)
         w_markov, w_copy, w_context = model.mixture.weights(position.history[-1])
-        markov, copy = structure.markov, structure.copy
-        context_p: dict[str, float] = {}
-        probs: list[float] = []
-        for label, score in zip(labels, scores, strict=True):
-            q = score / total
-            context_p[label] = q
-            probs.append(
-                w_markov * markov.get(label, 0.0) + w_copy * copy.get(label, 0.0) + w_context * q
-            )
+        qs = [score / total for score in scores]
+        probs = [
+            w_markov * m + w_copy * c + w_context * q
+            for m, c, q in zip(structure.markov_p, structure.copy_p, qs, strict=True)
+        ]
         norm = sum(probs)
-        return _Node(structure, labels, [p / norm for p in probs], context_p, relative, scores)
+        return _Node(structure, labels, [p / norm for p in probs], qs, path.relative, scores)
 
     @staticmethod
     def _crossed(context: ContextModel, hints: _Hints, label: str) -> tuple[Features, float]:
@@ -403,14 +452,14 @@ class Predictor:
         return part
 
     def _copy_distribution(
-        self, position: Position, copy_x: dict[str, str], markov: dict[str, float]
+        self, position: Position, copy_keys: Keys, markov: dict[str, float]
     ) -> dict[str, float]:
         """The copy expert: P(rank j) on the j-th most recent distinct agent; the rest of the
         mass spread over the other labels as ``markov`` spreads it."""
         recent = position.recent
         if not recent:
             return markov
-        ranks = self.copy.distribution(copy_x)
+        ranks = self.copy.distribution_keys(copy_keys)
         if not ranks:
             return markov
         possible = [ranks.get(f"r{j}", 0.0) for j in range(1, len(recent) + 1)]
@@ -485,10 +534,10 @@ class Predictor:
         if label != END and label not in model.known:
             model.known.add(label)
             model.agents.append(label)
-        self.markov.learn(structure.markov_x, label)
+        self.markov.learn_keys(structure.markov_keys, label)
         recent = position.recent
         rank = f"r{recent.index(label) + 1}" if label in recent else OTHER
-        self.copy.learn(structure.copy_x, rank)
+        self.copy.learn_keys(structure.copy_keys, rank)
 
         # the context model: the true label as a positive, the most likely wrong one as a
         # negative; a step is skipped where the model is already sure (its gradient is ~0)
@@ -502,16 +551,17 @@ class Predictor:
                 counted = counted_features(position, label, structure.markov, structure.copy)
                 relative = self._path(position, label, counted)
             context.learn({**self._crossed(context, hints, label)[0], **relative}, True)
-        wrong = max(
-            (i for i in range(len(labels)) if i != truth), key=node.probs.__getitem__, default=-1
-        )
+        wrong, best = -1, -1.0  # the most likely wrong candidate (the first among equals)
+        for i, p in enumerate(node.probs):
+            if i != truth and p > best:
+                wrong, best = i, p
         if wrong >= 0 and node.scores[wrong] > self.sure:
             features = self._crossed(context, hints, labels[wrong])[0]
             context.learn({**features, **node.relative[wrong]}, False)
         context.learn_hints(hints.numeric)
 
         said = [structure.markov.get(label, 0.0), structure.copy.get(label, 0.0)]
-        said.append(node.context.get(label, 0.0))
+        said.append(node.context[truth] if truth >= 0 else 0.0)
         model.mixture.learn(position.history[-1], said)
 
         if drifted:

@@ -43,9 +43,12 @@ class Mixture:
         self._local.clear()
 
     def _step(self, weights: list[float], said: list[float]) -> list[float]:
-        mixed = sum(w * p for w, p in zip(weights, said, strict=True)) or 1e-12
+        pairs = list(zip(weights, said, strict=True))
+        mixed = sum([w * p for w, p in pairs]) or 1e-12
         rate = self.rate / mixed
-        new = [w * math.exp(rate * p) for w, p in zip(weights, said, strict=True)]
+        exp = math.exp
+        new = [w * exp(rate * p) for w, p in pairs]
         norm = sum(new)
         floor = self.floor / self.n
-        return [(1.0 - self.floor) * w / norm + floor for w in new]
+        keep = 1.0 - self.floor
+        return [keep * w / norm + floor for w in new]
