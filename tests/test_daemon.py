@@ -260,3 +260,16 @@ def test_malformed_frames_are_rejected_counted_and_the_daemon_keeps_serving(
     assert service.ready()["ready"]
     push.close(0)
     ctx.term()
+
+
+def test_shedding_is_reported_in_stats_and_metrics(tmp_path: Path) -> None:
+    service = Service(settings_for(tmp_path, ingest_queue_frames=10, shed_above_frames=2))
+    for seq in range(1, 31):  # the engine worker is not running: the queue overflows
+        events = tuple(block(seq * 100 + i) for i in range(40))
+        service.queue.offer(EventBatch(source="s", seq=seq, events=events), received_ts=0.0)
+    stats = views.stats(service)
+    assert stats["events_received"] == 30 * 40
+    assert stats["events_shed"] > 0
+    assert stats["shed_rate"] == pytest.approx(stats["events_shed"] / (30 * 40))
+    metrics = service.metrics.render().decode()
+    assert f"policyd_events_shed_total {float(stats['events_shed'])}" in metrics
