@@ -55,7 +55,6 @@ def sidebar() -> None:
             on_change=keep,
             args=(connection.KEY_PAUSED,),
         )
-        status()
 
 
 def status() -> None:
@@ -91,6 +90,8 @@ def main() -> None:
     page = st.navigation(pages)
     sidebar()
     page.run()
+    with st.sidebar:  # after the page, so that its content is not held up by this call
+        status()
 
 
 main()

@@ -11,12 +11,19 @@ from typing import Final
 import altair as alt
 import pandas as pd  # type: ignore[import-untyped]
 
-TIER_COLORS: Final = alt.Scale(
-    domain=["gpu", "host", "recomputed"], range=["#2e7d32", "#1565c0", "#c62828"]
-)
+TIER_COLORS: Final = {"gpu": "#2e7d32", "host": "#1565c0", "recomputed": "#c62828"}
+TIER_SCALE: Final = alt.Scale(domain=list(TIER_COLORS), range=list(TIER_COLORS.values()))
+ACCURACY_COLOR: Final = "#1565c0"
+COUNT_COLOR: Final = "#00695c"
 HEIGHT: Final = 260
+# the page images are checked for these colours (tests/test_ui_live.py): keep them distinct
+MRC_COLORS: Final = {"hit ratio (all tiers)": "#2e7d32", "host-tier hit ratio": "#1565c0"}
+MARK_COLORS: Final = {"current": "#424242", "recommended": "#ef6c00"}
 
 AnyChart = alt.Chart | alt.LayerChart | alt.FacetChart
+# the history's ts are UTC wall-clock seconds; say so, and show seconds (runs are short)
+TIME_X: Final = alt.X("time:T", title="time (UTC)", axis=alt.Axis(format="%H:%M:%S"))
+TIME_TIP: Final = alt.Tooltip("time:T", format="%H:%M:%S", title="time (UTC)")
 
 
 def hit_ratio_over_time(long: pd.DataFrame) -> AnyChart:
@@ -25,10 +32,10 @@ def hit_ratio_over_time(long: pd.DataFrame) -> AnyChart:
         alt.Chart(long, height=HEIGHT, title="Prompt blocks by where they came from")
         .mark_line(point=True)
         .encode(
-            x=alt.X("time:T", title="time (UTC)"),
+            x=TIME_X,
             y=alt.Y("ratio:Q", title="share of prompt blocks", axis=alt.Axis(format="%")),
-            color=alt.Color("tier:N", scale=TIER_COLORS, title="tier"),
-            tooltip=["time:T", "tier:N", alt.Tooltip("ratio:Q", format=".1%")],
+            color=alt.Color("tier:N", scale=TIER_SCALE, title="tier"),
+            tooltip=[TIME_TIP, "tier:N", alt.Tooltip("ratio:Q", format=".1%")],
         )
     )
     return chart
@@ -40,9 +47,9 @@ def saved_tokens_over_time(frame: pd.DataFrame) -> AnyChart:
         alt.Chart(frame, height=HEIGHT, title="Recomputed tokens saved vs LRU (cumulative)")
         .mark_area(line=True, opacity=0.3, color="#6a1b9a")
         .encode(
-            x=alt.X("time:T", title="time (UTC)"),
+            x=TIME_X,
             y=alt.Y("saved_tokens_cum:Q", title="tokens saved"),
-            tooltip=["time:T", alt.Tooltip("saved_tokens_cum:Q", format=",.0f")],
+            tooltip=[TIME_TIP, alt.Tooltip("saved_tokens_cum:Q", format=",.0f")],
         )
     )
     return chart
@@ -52,13 +59,18 @@ def bytes_over_time(long: pd.DataFrame) -> AnyChart:
     """MiB written to and loaded from the host tier per interval."""
     chart: AnyChart = (
         alt.Chart(long, height=HEIGHT, title="Host-tier traffic per interval")
-        .mark_bar(opacity=0.8)
+        .mark_line(point=True)
         .encode(
-            x=alt.X("time:T", title="time (UTC)"),
-            y=alt.Y("mib:Q", title="MiB", stack=None),
-            color=alt.Color("direction:N", title=None),
-            xOffset="direction:N",
-            tooltip=["time:T", "direction:N", alt.Tooltip("mib:Q", format=",.2f")],
+            x=TIME_X,
+            y=alt.Y("mib:Q", title="MiB per interval"),
+            color=alt.Color(
+                "direction:N",
+                scale=alt.Scale(
+                    domain=["written to host", "loaded from host"], range=["#1565c0", "#6a1b9a"]
+                ),
+                title=None,
+            ),
+            tooltip=[TIME_TIP, "direction:N", alt.Tooltip("mib:Q", format=",.2f")],
         )
     )
     return chart
@@ -70,9 +82,9 @@ def declines_over_time(frame: pd.DataFrame) -> AnyChart:
         alt.Chart(frame, height=HEIGHT, title="Write-filter declines per interval")
         .mark_bar(color="#ef6c00")
         .encode(
-            x=alt.X("time:T", title="time (UTC)"),
+            x=TIME_X,
             y=alt.Y("write_declined_blocks:Q", title="blocks declined"),
-            tooltip=["time:T", "write_declined_blocks:Q"],
+            tooltip=[TIME_TIP, "write_declined_blocks:Q"],
         )
     )
     return chart
@@ -88,7 +100,12 @@ def mrc_chart(
         .encode(
             x=alt.X("capacity_gib:Q", title="host-tier capacity (GiB)"),
             y=alt.Y("value:Q", title="hit ratio", axis=alt.Axis(format="%")),
-            color=alt.Color("curve:N", title=None, legend=alt.Legend(orient="bottom")),
+            color=alt.Color(
+                "curve:N",
+                scale=alt.Scale(domain=list(MRC_COLORS), range=list(MRC_COLORS.values())),
+                title=None,
+                legend=alt.Legend(orient="bottom"),
+            ),
             tooltip=[
                 alt.Tooltip("capacity_gib:Q", format=",.2f"),
                 "curve:N",
@@ -104,7 +121,7 @@ def mrc_chart(
         ],
         columns=["capacity_gib", "mark"],
     )
-    mark_colors = alt.Scale(domain=["current", "recommended"], range=["#424242", "#ef6c00"])
+    mark_colors = alt.Scale(domain=list(MARK_COLORS), range=list(MARK_COLORS.values()))
     rules = (
         alt.Chart(marks)
         .mark_rule(strokeDash=[6, 3], strokeWidth=2)
@@ -126,7 +143,7 @@ def mrc_chart(
     )
     chart: AnyChart = alt.layer(
         curve, rules, labels, height=320, title="Miss-ratio curve (as hit ratio)"
-    )
+    ).resolve_scale(color="independent")
     return chart
 
 
@@ -136,9 +153,9 @@ def series_over_time(frame: pd.DataFrame, column: str, title: str, y_title: str)
         alt.Chart(frame, height=HEIGHT, title=title)
         .mark_line(point=True)
         .encode(
-            x=alt.X("time:T", title="time (UTC)"),
+            x=TIME_X,
             y=alt.Y(f"{column}:Q", title=y_title),
-            tooltip=["time:T", alt.Tooltip(f"{column}:Q", format=",.3g")],
+            tooltip=[TIME_TIP, alt.Tooltip(f"{column}:Q", format=",.3g")],
         )
     )
     return chart
@@ -148,7 +165,7 @@ def accuracy_bars(frame: pd.DataFrame) -> AnyChart:
     """Rolling top-1 accuracy per lookahead step."""
     chart: AnyChart = (
         alt.Chart(frame, height=HEIGHT, title="Rolling top-1 accuracy per step")
-        .mark_bar(color="#1565c0")
+        .mark_bar(color=ACCURACY_COLOR)
         .encode(
             x=alt.X("step:O", title="steps ahead"),
             y=alt.Y("accuracy:Q", title="accuracy", scale=alt.Scale(domain=[0, 1])),
@@ -164,10 +181,10 @@ def accuracy_over_time(frame: pd.DataFrame) -> AnyChart:
         alt.Chart(frame, height=HEIGHT, title="Accuracy over time per step")
         .mark_line(point=True)
         .encode(
-            x=alt.X("time:T", title="time (UTC)"),
+            x=TIME_X,
             y=alt.Y("accuracy:Q", scale=alt.Scale(domain=[0, 1]), axis=alt.Axis(format="%")),
             color=alt.Color("step:O", title="step"),
-            tooltip=["time:T", "step:O", alt.Tooltip("accuracy:Q", format=".1%"), "n:Q"],
+            tooltip=[TIME_TIP, "step:O", alt.Tooltip("accuracy:Q", format=".1%"), "n:Q"],
         )
     )
     return chart
@@ -182,11 +199,10 @@ def reliability_chart(frame: pd.DataFrame) -> AnyChart:
     )
     points = (
         alt.Chart(frame)
-        .mark_line(point=True, color="#c62828")
+        .mark_line(point=alt.OverlayMarkDef(size=60, filled=True), color="#c62828")
         .encode(
             x=alt.X("predicted:Q", title="predicted probability", scale=alt.Scale(domain=[0, 1])),
             y=alt.Y("observed:Q", title="observed frequency", scale=alt.Scale(domain=[0, 1])),
-            size=alt.Size("n:Q", title="predictions"),
             tooltip=[
                 alt.Tooltip("predicted:Q", format=".2f"),
                 alt.Tooltip("observed:Q", format=".2f"),
@@ -227,7 +243,7 @@ def counts_bar(frame: pd.DataFrame, category: str, title: str) -> AnyChart:
     """Horizontal bars of ``n`` per ``category`` (e.g. decisions by reason)."""
     chart: AnyChart = (
         alt.Chart(frame, title=title, height=alt.Step(18))
-        .mark_bar(color="#00695c")
+        .mark_bar(color=COUNT_COLOR)
         .encode(
             x=alt.X("n:Q", title="count"),
             y=alt.Y(f"{category}:N", sort="-x", title=None),

@@ -27,6 +27,7 @@ from typing import Final
 import numpy as np
 from PIL import Image
 
+from ui.demo import start_live_daemon
 from ui.views import PAGES
 
 APP: Final = Path(__file__).resolve().parent / "app.py"
@@ -192,13 +193,21 @@ def measure(png: Path) -> Blankness:
     return Blankness(std=float(pixels.std()), ink_fraction=float(ink.mean()), colors=len(values))
 
 
+def color_pixels(png: Path, color: str, *, tolerance: int = 40) -> int:
+    """Pixels within ``tolerance`` (sum of channel differences) of the hex ``color``: a chart's
+    marks drawn in a colour of its own show up here, a missing chart does not."""
+    pixels = np.asarray(Image.open(png).convert("RGB"), dtype=np.int32).reshape(-1, 3)
+    target = np.array([int(color.lstrip("#")[i : i + 2], 16) for i in (0, 2, 4)])
+    return int((np.abs(pixels - target).sum(axis=1) <= tolerance).sum())
+
+
 def capture_all(
     api_url: str,
     out_dir: Path,
     *,
     token: str | None = None,
     pages: Sequence[str] | None = None,
-    attempts: int = 3,
+    attempts: int = 4,
     log_path: Path | None = None,
 ) -> dict[str, Path]:
     """Screenshot each page (all by default) of a dashboard pointed at ``api_url``.
@@ -231,8 +240,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--token", default=os.environ.get("POLICYD_API_TOKEN"))
     parser.add_argument("--out", type=Path, default=Path("docs/ui"))
     parser.add_argument("--page", action="append", help="only these pages (repeatable)")
+    parser.add_argument(
+        "--demo",
+        action="store_true",
+        help="start a daemon with replay data first (ui/demo.py) instead of using --api",
+    )
+    parser.add_argument("--workflows", type=int, default=24, help="--demo: workflows replayed")
     args = parser.parse_args(argv)
-    shots = capture_all(args.api, args.out, token=args.token, pages=args.page)
+    if args.demo:
+        with tempfile.TemporaryDirectory(prefix="agentkv-ui-demo-") as tmp:
+            run, _ = start_live_daemon(
+                Path(tmp) / "history.duckdb", workflows=args.workflows, progress=print
+            )
+            try:
+                assert run.http_url is not None
+                shots = capture_all(run.http_url, args.out, pages=args.page)
+            finally:
+                run.stop()
+    else:
+        shots = capture_all(args.api, args.out, token=args.token, pages=args.page)
     measured = {name: measure(path) for name, path in shots.items()}
     blank = [name for name, m in measured.items() if m.blank()]
     for name, m in measured.items():

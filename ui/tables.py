@@ -5,6 +5,7 @@ Kept apart from Streamlit so the shaping is testable on its own and the pages st
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -121,6 +122,13 @@ def cache_frame(rows: Sequence[Json], block_tokens: int = DEFAULT_BLOCK_TOKENS) 
     return frame
 
 
+def saved_tokens(frame: pd.DataFrame) -> float | None:
+    """Tokens saved against LRU over the frame; None when the daemon computed no counterfactual."""
+    if frame.empty or "saved_tokens" not in frame or frame["saved_tokens"].isna().all():
+        return None
+    return float(frame["saved_tokens"].sum())
+
+
 def hit_ratio_long(frame: pd.DataFrame) -> pd.DataFrame:
     """time, tier, ratio: hit ratio per tier (and the recomputed share) per interval."""
     columns = [f"{t}_ratio" for t in HIT_COLUMNS if f"{t}_ratio" in frame]
@@ -186,6 +194,11 @@ def log_frame(rows: Sequence[Json], first: Sequence[str]) -> pd.DataFrame:
     lead = [c for c in first if c in frame]
     rest = [c for c in frame.columns if c not in lead and c != "ts"]
     return frame[lead + rest]
+
+
+def reason_shape(reason: object) -> str:
+    """A reason with its numbers replaced by N, so that reasons group by what they say."""
+    return re.sub(r"\d+(\.\d+)?", "N", str(reason))
 
 
 def decisions_frame(rows: Sequence[Json]) -> pd.DataFrame:

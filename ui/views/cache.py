@@ -33,10 +33,10 @@ def live() -> None:
     top = st.columns(4)
     top[0].metric("GPU hit ratio (all time)", tables.percent(hit.get("gpu")))
     top[1].metric("host hit ratio (all time)", tables.percent(hit.get("host")))
-    saved = None if frame.empty or "saved_tokens" not in frame else frame["saved_tokens"].sum()
+    saved = tables.saved_tokens(frame)
     top[2].metric(
         f"tokens saved vs LRU ({minutes} min)",
-        "—" if saved is None or pd.isna(saved) else f"{saved:,.0f}",
+        "—" if saved is None else f"{saved:,.0f}",
         help="(LRU counterfactual recomputed blocks - ours) x block size, summed over the window.",
     )
     top[3].metric(
@@ -57,8 +57,11 @@ def live() -> None:
             st.info("The daemon computes no LRU counterfactual for this policy.")
     with right:
         st.altair_chart(charts.bytes_over_time(tables.bytes_long(frame)), width="stretch")
-    if "write_declined_blocks" in frame:
+    declined_blocks = pd.to_numeric(frame.get("write_declined_blocks"), errors="coerce")
+    if declined_blocks is not None and declined_blocks.fillna(0).sum() > 0:
         st.altair_chart(charts.declines_over_time(frame), width="stretch")
+    else:
+        st.info(f"The write filter declined no host-tier writes in the last {minutes} minutes.")
     with st.expander("Raw intervals"):
         st.dataframe(frame.drop(columns=["ts"]), hide_index=True, width="stretch")
 

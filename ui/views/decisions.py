@@ -41,7 +41,8 @@ def live() -> None:
         by_kind = frame.groupby("kind").size().reset_index(name="n")
         st.altair_chart(charts.counts_bar(by_kind, "kind", "Decisions by kind"), width="stretch")
     with right:
-        by_reason = frame.groupby("reason").size().reset_index(name="n").nlargest(12, "n")
+        shapes = frame["reason"].map(tables.reason_shape).rename("reason")
+        by_reason = shapes.groupby(shapes).size().reset_index(name="n").nlargest(12, "n")
         st.altair_chart(
             charts.counts_bar(by_reason, "reason", "Most frequent reasons"), width="stretch"
         )

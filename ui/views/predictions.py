@@ -11,10 +11,12 @@ from ui import charts, connection, tables
 from ui.client import ApiError
 
 ACCURACY_SQL = """
-SELECT floor(ts / 60) * 60 AS ts, step, avg(CASE WHEN correct THEN 1.0 ELSE 0.0 END) AS accuracy,
-       count(*) AS n
-FROM predictions WHERE correct IS NOT NULL GROUP BY ALL ORDER BY ts, step
-"""
+WITH r AS (SELECT ts, step, correct FROM predictions WHERE correct IS NOT NULL),
+     b AS (SELECT min(ts) AS t0, greatest((max(ts) - min(ts)) / 20, 1) AS w FROM r)
+SELECT t0 + floor((ts - t0) / w) * w AS ts, step,
+       avg(CASE WHEN correct THEN 1.0 ELSE 0.0 END) AS accuracy, count(*) AS n
+FROM r, b GROUP BY ALL ORDER BY ts, step
+"""  # about 20 time buckets over whatever span the history holds
 CALIBRATION_SQL = """
 SELECT least(floor(probability * 10), 9) / 10 AS bin, avg(probability) AS predicted,
        avg(CASE WHEN correct THEN 1.0 ELSE 0.0 END) AS observed, count(*) AS n

@@ -30,6 +30,7 @@ FROM settings_changes ORDER BY ts DESC""",
 }
 KEY_SQL = "sql_text"
 KEY_EXAMPLE = "sql_example"
+KEY_RESULT = "sql_result"  # the last query's answer (or error), shown until the next run
 
 
 def _load_example() -> None:
@@ -51,22 +52,35 @@ max_rows = int(
 )
 run = controls[1].button("Run query", type="primary", key="sql_run")
 
-if run:
+
+def execute(query: str, limit: int) -> dict[str, object] | ApiError:
     try:
-        result = connection.client().sql(sql, max_rows=max_rows)
-    except DaemonRejectedError as err:
-        st.error(f"Query refused: {err}", icon="🚫")
+        return connection.client().sql(query, max_rows=limit)
     except ApiError as err:
-        connection.banner(err, what="the query")
-    else:
-        frame = tables.sql_frame(result)
-        snapshot_ts = result.get("snapshot_ts")
-        as_of = ""
-        if snapshot_ts is not None:
-            when = pd.to_datetime(float(snapshot_ts), unit="s", utc=True)
-            as_of = f" · snapshot of {when:%H:%M:%S} UTC"
-        more = " (truncated at max rows)" if result.get("truncated") else ""
-        st.caption(
-            f"{len(frame):,} rows{more} in {float(result.get('elapsed_ms') or 0):,.1f} ms{as_of}"
-        )
-        st.dataframe(frame, hide_index=True, width="stretch")
+        return err
+
+
+def show(outcome: dict[str, object] | ApiError) -> None:
+    if isinstance(outcome, DaemonRejectedError):
+        st.error(f"Query refused: {outcome}", icon="🚫")
+        return
+    if isinstance(outcome, ApiError):
+        connection.banner(outcome, what="the query")
+        return
+    frame = tables.sql_frame(outcome)
+    snapshot_ts = outcome.get("snapshot_ts")
+    as_of = ""
+    if isinstance(snapshot_ts, int | float):
+        when = pd.to_datetime(float(snapshot_ts), unit="s", utc=True)
+        as_of = f" · snapshot of {when:%H:%M:%S} UTC"
+    more = " (truncated at max rows)" if outcome.get("truncated") else ""
+    elapsed_ms = outcome.get("elapsed_ms")
+    took = f"{elapsed_ms:,.1f} ms" if isinstance(elapsed_ms, int | float) else "?"
+    st.caption(f"{len(frame):,} rows{more} in {took}{as_of}")
+    st.dataframe(frame, hide_index=True, width="stretch")
+
+
+# the first visit runs the first example, so the page opens on an answer
+if run or KEY_RESULT not in st.session_state:
+    st.session_state[KEY_RESULT] = execute(sql, max_rows)
+show(st.session_state[KEY_RESULT])

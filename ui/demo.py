@@ -1,0 +1,110 @@
+"""A daemon full of replay data for the dashboard's tests and screenshots (not used by the app).
+
+``policyd demo`` (``policyd.demo.run_demo``) replays generated agent workflows through a real
+daemon - real sockets, the real HTTP API, a real DuckDB history - until they all finish. The
+dashboard's predictions page is about workflows still running, so ``start_live_daemon`` then
+replays the first half of a few more workflows over the same wire and leaves them mid-flight
+(their ``WorkflowFinished`` is held back; the daemon's idle timeout is minutes away).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from policyd.client import DaemonClient
+from policyd.daemon.server import RunningDaemon
+from policyd.demo import DEFAULT_WORKLOADS, DemoRun, RemoteEngine, demo_workload, run_demo
+from policyd.policies import make_policy
+from policyd.sim.replay import SimConfig, Simulator
+from policyd.types import EventBatch, WorkflowFinished
+from policyd.wire import Endpoints
+from policyd.workload import Workload
+
+LIVE_PREFIX = "live-"
+
+
+class _MidFlightEngine(RemoteEngine):
+    """Forwards a replay's events to the daemon but never says a workflow finished."""
+
+    def apply(self, batch: EventBatch) -> None:
+        kept = tuple(e for e in batch.events if not isinstance(e, WorkflowFinished))
+        super().apply(msgspec.structs.replace(batch, events=kept))
+
+
+def half_workflows(workflows: int, seed: int) -> Workload:
+    """``workflows`` demo workflows cut after half their calls, ids prefixed ``live-``."""
+    workload = demo_workload(DEFAULT_WORKLOADS, workflows, seed)
+    streams = [
+        [
+            dataclasses.replace(call, workflow_id=LIVE_PREFIX + call.workflow_id, last=False)
+            for call in stream[: max(2, len(stream) // 2)]
+        ]
+        for stream in workload.streams
+    ]
+    return Workload(name=f"{workload.name} (mid-flight)", streams=streams)
+
+
+def leave_mid_flight(
+    daemon: RunningDaemon, *, workflows: int = 6, seed: int = 1, timeout_s: float = 30.0
+) -> list[str]:
+    """Replay half of ``workflows`` new workflows into ``daemon``; returns their ids once the
+    daemon reports them active."""
+    workload = half_workflows(workflows, seed)
+    ids = sorted({stream[0].workflow_id for stream in workload.streams if stream})
+    client = DaemonClient(
+        "ui-mid-flight",
+        Endpoints(events=daemon.events_endpoint, snapshots=daemon.snapshots_endpoint),
+    )
+    try:
+        sim = Simulator(workload, make_policy("lru"), SimConfig(concurrency=len(ids)))
+        sim_now: Callable[[], float] = lambda: sim.now  # noqa: E731
+        engine = _MidFlightEngine(client, sim_now, speedup=math.inf, policy="lru")
+        sim.engine = engine  # type: ignore[assignment]
+        sim.run()
+        if not client.flush(timeout_s):
+            raise RuntimeError("the mid-flight events did not leave the client")
+    finally:
+        client.close(1.0)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with daemon.service.lock:
+            active = set(daemon.service.engine.state.workflows)
+        if set(ids) <= active:
+            return ids
+        time.sleep(0.05)
+    raise RuntimeError(f"the daemon did not report {ids} active within {timeout_s:g} s")
+
+
+def start_live_daemon(
+    db: Path,
+    *,
+    workflows: int = 16,
+    seconds: float = 8.0,
+    active: int = 6,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[DemoRun, list[str]]:
+    """A kept-serving demo daemon plus ``active`` workflows left mid-flight; stop it with
+    ``run.stop()``."""
+    run = run_demo(
+        workflows=workflows,
+        seconds=seconds,
+        db=db,
+        seed=seed,
+        keep_serving=True,
+        progress=progress,
+    )
+    assert run.daemon is not None
+    try:
+        live = leave_mid_flight(run.daemon, workflows=active, seed=seed + 1)
+        run.daemon.service.publish_history()
+    except BaseException:
+        run.stop()
+        raise
+    return run, live
