@@ -115,11 +115,14 @@ def mrc_chart(
     )
     marks = pd.DataFrame(
         [
-            {"capacity_gib": gib, "mark": label}
-            for gib, label in ((current_gib, "current"), (recommended_gib, "recommended"))
+            {"capacity_gib": gib, "mark": label, "label_y": label_y}
+            for gib, label, label_y in (
+                (current_gib, "current", 4),
+                (recommended_gib, "recommended", 20),  # below, in case the two are close
+            )
             if gib is not None
         ],
-        columns=["capacity_gib", "mark"],
+        columns=["capacity_gib", "mark", "label_y"],
     )
     mark_colors = alt.Scale(domain=list(MARK_COLORS), range=list(MARK_COLORS.values()))
     rules = (
@@ -136,7 +139,7 @@ def mrc_chart(
         .mark_text(align="left", dx=4, dy=-6, baseline="top", fontWeight="bold")
         .encode(
             x="capacity_gib:Q",
-            y=alt.value(4),
+            y=alt.Y("label_y:Q", scale=None),
             text="mark:N",
             color=alt.Color("mark:N", scale=mark_colors, legend=None),
         )
@@ -246,7 +249,7 @@ def counts_bar(frame: pd.DataFrame, category: str, title: str) -> AnyChart:
         .mark_bar(color=COUNT_COLOR)
         .encode(
             x=alt.X("n:Q", title="count"),
-            y=alt.Y(f"{category}:N", sort="-x", title=None),
+            y=alt.Y(f"{category}:N", sort="-x", title=None, axis=alt.Axis(labelLimit=320)),
             tooltip=[f"{category}:N", "n:Q"],
         )
     )

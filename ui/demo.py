@@ -4,7 +4,9 @@
 daemon - real sockets, the real HTTP API, a real DuckDB history - until they all finish. The
 dashboard's predictions page is about workflows still running, so ``start_live_daemon`` then
 replays the first half of a few more workflows over the same wire and leaves them mid-flight
-(their ``WorkflowFinished`` is held back; the daemon's idle timeout is minutes away).
+(their ``WorkflowFinished`` is held back; the daemon's idle timeout is minutes away), and asks
+the daemon for a few synchronous decisions over HTTP, so that the decision log holds more than
+retirements.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import msgspec
 
 from policyd.client import DaemonClient
@@ -81,6 +84,25 @@ def leave_mid_flight(
     raise RuntimeError(f"the daemon did not report {ids} active within {timeout_s:g} s")
 
 
+def ask_decisions(http_url: str, workload: Workload, *, timeout_s: float = 10.0) -> int:
+    """Ask the daemon for synchronous evict / admit / prefetch decisions over HTTP about the
+    blocks of ``workload`` (as another engine would); returns how many it answered. Each
+    answer is a decision row with its reason in the history."""
+    calls = [call for stream in workload.streams for call in stream]
+    answered = 0
+    with httpx.Client(base_url=http_url, timeout=timeout_s) as http:
+        for index, call in enumerate(calls[:8]):
+            hashes = [h for h in call.block_hashes if 0 <= h < 2**64][:64]
+            for path, body in (
+                ("/api/decide/admit", {"request_id": f"probe-{index}", "block_hashes": hashes}),
+                ("/api/decide/evict", {"tier": "host", "candidates": hashes, "n_blocks": 4}),
+                ("/api/decide/prefetch", {"budget_blocks": 16}),
+            ):
+                http.post(path, json=body).raise_for_status()
+                answered += 1
+    return answered
+
+
 def start_live_daemon(
     db: Path,
     *,
@@ -102,7 +124,15 @@ def start_live_daemon(
     )
     assert run.daemon is not None
     try:
+        # a prefetch budget and a conditioned write filter, so that pin / prefetch decisions
+        # are made too (recorded as settings changes, like an operator's)
+        errors = run.daemon.service.update_settings(
+            {"prefetch_budget_blocks": 32, "write_filter_mode": "conditioned"}, actor="ui-demo"
+        )
+        if errors:
+            raise RuntimeError(f"the daemon refused the demo's settings: {errors}")
         live = leave_mid_flight(run.daemon, workflows=active, seed=seed + 1)
+        ask_decisions(run.daemon.http_url, half_workflows(active, seed + 1))
         run.daemon.service.publish_history()
     except BaseException:
         run.stop()

@@ -246,11 +246,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="start a daemon with replay data first (ui/demo.py) instead of using --api",
     )
     parser.add_argument("--workflows", type=int, default=24, help="--demo: workflows replayed")
+    parser.add_argument("--seconds", type=float, default=30.0, help="--demo: replay wall time")
     args = parser.parse_args(argv)
     if args.demo:
         with tempfile.TemporaryDirectory(prefix="agentkv-ui-demo-") as tmp:
             run, _ = start_live_daemon(
-                Path(tmp) / "history.duckdb", workflows=args.workflows, progress=print
+                Path(tmp) / "history.duckdb",
+                workflows=args.workflows,
+                seconds=args.seconds,
+                progress=print,
             )
             try:
                 assert run.http_url is not None

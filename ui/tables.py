@@ -129,6 +129,16 @@ def saved_tokens(frame: pd.DataFrame) -> float | None:
     return float(frame["saved_tokens"].sum())
 
 
+def active_intervals(frame: pd.DataFrame) -> pd.DataFrame:
+    """Intervals in which requests ran or host-tier bytes moved (idle ones are left out, as the
+    hit-ratio chart leaves them out: a ratio of nothing is undefined)."""
+    activity = pd.Series(0.0, index=frame.index)
+    for column in ("requests", "prompt_blocks", "host_written_bytes", "host_loaded_bytes"):
+        if column in frame:
+            activity += pd.to_numeric(frame[column], errors="coerce").fillna(0.0)
+    return frame[activity > 0]
+
+
 def hit_ratio_long(frame: pd.DataFrame) -> pd.DataFrame:
     """time, tier, ratio: hit ratio per tier (and the recomputed share) per interval."""
     columns = [f"{t}_ratio" for t in HIT_COLUMNS if f"{t}_ratio" in frame]
@@ -145,6 +155,7 @@ def bytes_long(frame: pd.DataFrame) -> pd.DataFrame:
     present = [c for c in names if c in frame]
     if frame.empty or not present:
         return pd.DataFrame(columns=["time", "direction", "mib"])
+    frame = active_intervals(frame)
     long = frame.melt(id_vars=["time"], value_vars=present, var_name="direction", value_name="b")
     long["direction"] = long["direction"].map(names)
     long["mib"] = pd.to_numeric(long["b"], errors="coerce") / 2**20

@@ -59,7 +59,7 @@ def live() -> None:
         st.altair_chart(charts.bytes_over_time(tables.bytes_long(frame)), width="stretch")
     declined_blocks = pd.to_numeric(frame.get("write_declined_blocks"), errors="coerce")
     if declined_blocks is not None and declined_blocks.fillna(0).sum() > 0:
-        st.altair_chart(charts.declines_over_time(frame), width="stretch")
+        st.altair_chart(charts.declines_over_time(tables.active_intervals(frame)), width="stretch")
     else:
         st.info(f"The write filter declined no host-tier writes in the last {minutes} minutes.")
     with st.expander("Raw intervals"):
