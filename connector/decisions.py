@@ -1,0 +1,130 @@
+"""Applying the daemon's newest policy snapshot inside the connector (DESIGN.md §3, §6).
+
+A ``PolicySnapshot`` is compiled once into a ``SnapshotView`` (dict and set lookups), so that
+every per-block question vLLM's hot paths ask - score, retired?, staged?, pin? - costs O(1).
+``None`` stands for "no fresh snapshot": the connector then behaves exactly like vLLM's default,
+LRU eviction and store-everything.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from policyd.types import PolicySnapshot, WriteFilter
+
+MAX_TRACKED_WORKFLOWS: Final = 4096  # ownership memory: the oldest workflows are forgotten
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotView:
+    """One snapshot, indexed for O(1) questions."""
+
+    version: int
+    policy: str
+    scores: Mapping[int, float]
+    default_score: float
+    retired_workflows: frozenset[str]
+    write_filter: WriteFilter
+    pin: tuple[int, ...]
+    stage: frozenset[int]
+
+    @classmethod
+    def of(cls, snap: PolicySnapshot) -> SnapshotView:
+        scores: dict[int, float] = {}
+        for group in snap.scores:
+            for block in group.block_hashes:
+                scores[block] = group.score
+        return cls(
+            version=snap.version,
+            policy=snap.policy,
+            scores=scores,
+            default_score=snap.default_score,
+            retired_workflows=frozenset(snap.retired_workflows),
+            write_filter=snap.write_filter,
+            pin=snap.pin,
+            stage=frozenset(snap.stage),
+        )
+
+    def score(self, block: int) -> float:
+        """Lower = evict first; blocks the snapshot does not name get ``default_score``."""
+        return self.scores.get(block, self.default_score)
+
+
+def write_allowed(view: SnapshotView | None, new_blocks: int, staged: bool = False) -> bool:
+    """EfficientAgent's write filter, decided once per request (DESIGN.md §2).
+
+    ``new_blocks`` is what the request would add to the host tier. No snapshot: store
+    everything (vLLM's default). A request carrying a staged (predicted) block is always stored.
+
+    >>> wf = WriteFilter(mode="conditioned", max_new_blocks=8, pressure=True)
+    >>> snap = PolicySnapshot(version=1, ts=0.0, ttl_s=5.0, policy="agentkv", write_filter=wf)
+    >>> write_allowed(SnapshotView.of(snap), 9), write_allowed(SnapshotView.of(snap), 8)
+    (False, True)
+    >>> write_allowed(None, 1000)
+    True
+    """
+    if view is None or staged:
+        return True
+    wf = view.write_filter
+    if wf.mode == "none":
+        return True
+    if wf.mode == "conditioned" and not wf.pressure:
+        return True
+    return new_blocks <= wf.max_new_blocks
+
+
+def select_pins(view: SnapshotView | None, retired: frozenset[int], cap_blocks: int) -> list[int]:
+    """The blocks to pin on the GPU: the snapshot's list in its order, never a retired block,
+    at most ``cap_blocks`` (pinned blocks are memory vLLM cannot allocate)."""
+    if view is None or cap_blocks <= 0:
+        return []
+    out: list[int] = []
+    seen: set[int] = set()
+    for block in view.pin:
+        if block in retired or block in seen:
+            continue
+        seen.add(block)
+        out.append(block)
+        if len(out) >= cap_blocks:
+            break
+    return out
+
+
+class Ownership:
+    """Which workflows' requests used which blocks, as seen by this connector.
+
+    A block is *retired* when every workflow that used it is retired (finished): PBKV's
+    lifecycle rule. Memory is bounded by forgetting the oldest workflows first.
+    """
+
+    def __init__(self, max_workflows: int = MAX_TRACKED_WORKFLOWS) -> None:
+        self.max_workflows = max_workflows
+        self._blocks: OrderedDict[str, set[int]] = OrderedDict()
+
+    def record(self, workflow_id: str, blocks: Iterable[int]) -> None:
+        owned = self._blocks.get(workflow_id)
+        if owned is None:
+            owned = self._blocks[workflow_id] = set()
+            while len(self._blocks) > self.max_workflows:
+                self._blocks.popitem(last=False)
+        else:
+            self._blocks.move_to_end(workflow_id)
+        owned.update(blocks)
+
+    def workflows(self) -> list[str]:
+        return list(self._blocks)
+
+    def retired_blocks(self, retired_workflows: frozenset[str]) -> frozenset[int]:
+        """Blocks owned only by retired workflows (O(owned blocks); run once per snapshot)."""
+        dead: set[int] = set()
+        live: set[int] = set()
+        for workflow_id, blocks in self._blocks.items():
+            (dead if workflow_id in retired_workflows else live).update(blocks)
+        return frozenset(dead - live)
+
+
+def ordered_unique(blocks: Sequence[int]) -> list[int]:
+    return list(dict.fromkeys(blocks))

@@ -1,0 +1,232 @@
+"""The connector's scheduler-side state, without vLLM: requests, ownership, snapshot, events.
+
+The vLLM adapter (connector/vllm_adapter.py) forwards what it sees here and asks it questions;
+everything here is plain Python over injected parts (an event sink with ``send_many``, a snapshot
+source, a clock), so the same code runs in unit tests with a real ``DaemonClient`` on loopback.
+
+Nothing here may fail a request: ``Guard`` wraps every call the adapter makes from inside vLLM,
+counts what it caught and logs it at most once per interval (STYLE.md rule 6).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Final, Protocol, TypeVar
+
+from connector import events as ev
+from connector.decisions import Ownership, SnapshotView, select_pins, write_allowed
+from connector.params import RequestTags, parse_request_tags
+from policyd.types import Event, PolicySnapshot
+
+log = logging.getLogger("agentkv.connector")
+
+LOG_INTERVAL_S: Final = 30.0
+MAX_OPEN_REQUESTS: Final = 65536  # requests vLLM never finished are forgotten past this
+T = TypeVar("T")
+
+
+class EventSink(Protocol):
+    def send_many(self, events: Sequence[Event]) -> int: ...
+
+
+class Guard:
+    """Runs a hook; an exception becomes ``default``, a count and a rate-limited log line."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.errors: dict[str, int] = {}
+        self._last_log_s: dict[str, float] = {}
+
+    def call(self, what: str, fn: Callable[[], T], default: T) -> T:
+        try:
+            return fn()
+        except Exception as exc:  # never into vLLM: degrade, count, log once per interval
+            self.errors[what] = self.errors.get(what, 0) + 1
+            now = self.clock()
+            if now - self._last_log_s.get(what, -LOG_INTERVAL_S) >= LOG_INTERVAL_S:
+                self._last_log_s[what] = now
+                log.warning(
+                    "agentkv connector: %s failed (%r); %d so far, falling back to vLLM defaults",
+                    what,
+                    exc,
+                    self.errors[what],
+                )
+            return default
+
+
+@dataclass(slots=True)
+class _Request:
+    tags: RequestTags
+    blocks: tuple[int, ...]
+    prompt_tokens: int
+    looked_up: bool = False
+    may_store: bool = True
+
+
+@dataclass(slots=True)
+class Counters:
+    requests: int = 0
+    lookups: int = 0
+    write_declined_requests: int = 0
+    write_declined_blocks: int = 0
+    host_stored_blocks: int = 0
+    host_removed_blocks: int = 0
+    host_loaded_blocks: int = 0
+    gpu_pinned_blocks: int = 0
+    gpu_retired_evicted_blocks: int = 0
+    snapshots_applied: int = 0
+    stale_fallbacks: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class ConnectorRuntime:
+    """Request bookkeeping, the applied snapshot and event emission for one vLLM scheduler."""
+
+    def __init__(
+        self,
+        sink: EventSink,
+        snapshots: Callable[[], PolicySnapshot | None],
+        *,
+        tokens_per_block: int,
+        max_pinned_blocks: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.sink = sink
+        self.snapshots = snapshots
+        self.tokens_per_block = tokens_per_block
+        self.max_pinned_blocks = max_pinned_blocks
+        self.clock = clock
+        self.counters = Counters()
+        self.ownership = Ownership()
+        self.generation = 0  # bumps whenever the applied view changes (new snapshot or stale)
+        self._requests: dict[str, _Request] = {}
+        self._view: SnapshotView | None = None
+        self._retired: frozenset[int] = frozenset()
+
+    # -- events ------------------------------------------------------------------------------
+
+    def _emit(self, *events: Event) -> None:
+        self.sink.send_many(events)
+
+    # -- the snapshot ------------------------------------------------------------------------
+
+    def refresh(self) -> SnapshotView | None:
+        """The view to apply now; ``None`` (LRU, store everything) when stale or missing."""
+        snap = self.snapshots()
+        current = self._view
+        if snap is None:
+            if current is not None:
+                self._view, self._retired = None, frozenset()
+                self.generation += 1
+                self.counters.stale_fallbacks += 1
+            return None
+        if current is None or snap.version != current.version:
+            view = SnapshotView.of(snap)
+            self._view = view
+            self._retired = self.ownership.retired_blocks(view.retired_workflows)
+            self.generation += 1
+            self.counters.snapshots_applied += 1
+        return self._view
+
+    @property
+    def view(self) -> SnapshotView | None:
+        return self._view
+
+    @property
+    def retired_blocks(self) -> frozenset[int]:
+        return self._retired
+
+    def pins(self) -> list[int]:
+        return select_pins(self._view, self._retired, self.max_pinned_blocks)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def request_started(
+        self,
+        request_id: str,
+        params: Mapping[str, object] | None,
+        session_id: str | None,
+        block_hashes: Sequence[bytes],
+        prompt_tokens: int,
+    ) -> RequestTags:
+        tags = parse_request_tags(request_id, params, session_id)
+        blocks = ev.block_hash_ints(block_hashes)
+        if len(self._requests) >= MAX_OPEN_REQUESTS:
+            self._requests.pop(next(iter(self._requests)))
+        self._requests[request_id] = _Request(tags, blocks, prompt_tokens)
+        self.ownership.record(tags.workflow_id, blocks)
+        self.counters.requests += 1
+        self._emit(ev.request_started(tags, blocks, prompt_tokens, self.clock()))
+        return tags
+
+    def lookup_done(self, request_id: str, gpu_tokens: int, host_tokens: int) -> None:
+        """The request's prefix hit is known: report it and take its write-filter decision."""
+        req = self._requests.get(request_id)
+        if req is None or req.looked_up:
+            return
+        req.looked_up = True
+        self.counters.lookups += 1
+        prompt_blocks = req.prompt_tokens // self.tokens_per_block
+        hit = ev.prefix_hit(
+            request_id,
+            prompt_blocks=prompt_blocks,
+            gpu_tokens=gpu_tokens,
+            host_tokens=host_tokens,
+            tokens_per_block=self.tokens_per_block,
+            ts=self.clock(),
+        )
+        view = self.refresh()
+        staged = view is not None and any(b in view.stage for b in req.blocks)
+        req.may_store = write_allowed(view, hit.recomputed_blocks, staged)
+        if not req.may_store:
+            self.counters.write_declined_requests += 1
+        self._emit(hit)
+
+    def may_store(self, request_id: str) -> bool:
+        req = self._requests.get(request_id)
+        return True if req is None else req.may_store
+
+    def store_declined(self, n_blocks: int) -> None:
+        self.counters.write_declined_blocks += n_blocks
+
+    def request_finished(self, request_id: str, output_tokens: int) -> None:
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        now = self.clock()
+        # the prompt's full blocks are now cached on the GPU (prefix caching)
+        gpu_blocks = req.blocks[: req.prompt_tokens // self.tokens_per_block]
+        events: list[Event] = []
+        if gpu_blocks:
+            events.append(ev.blocks_stored("gpu", gpu_blocks, now, request_id))
+        events.extend(ev.request_finished(req.tags, output_tokens, now))
+        self._emit(*events)
+
+    def tags(self, request_id: str) -> RequestTags | None:
+        req = self._requests.get(request_id)
+        return None if req is None else req.tags
+
+    # -- host and GPU tier facts -------------------------------------------------------------
+
+    def host_stored(self, blocks: Sequence[int]) -> None:
+        if blocks:
+            self.counters.host_stored_blocks += len(blocks)
+            self._emit(ev.blocks_stored("host", blocks, self.clock()))
+
+    def host_removed(self, blocks: Sequence[int]) -> None:
+        if blocks:
+            self.counters.host_removed_blocks += len(blocks)
+            self._emit(ev.blocks_removed("host", blocks, self.clock()))
+
+    def host_loaded(self, blocks: Sequence[int], request_id: str | None) -> None:
+        if blocks:
+            self.counters.host_loaded_blocks += len(blocks)
+            self._emit(ev.blocks_loaded(blocks, self.clock(), request_id))
+
+    def gpu_removed(self, blocks: Sequence[int]) -> None:
+        if blocks:
+            self.counters.gpu_retired_evicted_blocks += len(blocks)
+            self._emit(ev.blocks_removed("gpu", blocks, self.clock()))

