@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from policyd.policies.agentkv import AgentKV
 from policyd.policies.base import Ordering, Policy
 from policyd.policies.belady import Belady, FutureIndex
+from policyd.policies.efficientagent import EfficientAgent
 from policyd.policies.kvflow import KVFlow
 from policyd.policies.lru import LRU
 from policyd.policies.pbkv import PBKV
@@ -15,6 +17,8 @@ POLICIES: dict[str, type[Policy]] = {
     LRU.name: LRU,
     PBKV.name: PBKV,
     KVFlow.name: KVFlow,
+    EfficientAgent.name: EfficientAgent,
+    AgentKV.name: AgentKV,
     Belady.name: Belady,
 }
 

@@ -33,6 +33,7 @@ import msgspec
 
 from policyd.engine import Engine
 from policyd.policies import FutureIndex, Policy, make_policy
+from policyd.sim.audit import DeclineAudit
 from policyd.sim.cache import GpuTier, HostTier, KeyedQueue, LruQueue, RunningSpace
 from policyd.sim.profiles import HardwareProfile, get_profile
 from policyd.sim.report import Report, RequestRecord
@@ -74,6 +75,7 @@ class SimConfig:
     prefetch_budget_blocks: int = 0
     offload_prompt_only: bool = True  # vLLM 0.32's default: decode blocks are not offloaded
     record_requests: bool = False
+    audit_declines: bool = False  # check declined host writes against Proposition 1 (audit.py)
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -124,6 +126,19 @@ class Simulator:
             admits=self._oracle_admits("gpu"),
         )
         self.host = HostTier(host_blocks, self._queue("host"), admits=self._oracle_admits("host"))
+        # policies that size decisions by the tiers (write filters) are told their capacities,
+        # as the daemon tells them from its settings
+        configure = getattr(policy, "configure_tiers", None)
+        if callable(configure):
+            configure(gpu_blocks=gpu_blocks, host_blocks=host_blocks)
+        # snapshots are applied for score-ordered policies and for any policy publishing more
+        # than the empty default (a write filter); plain LRU runs without them, exactly
+        self._uses_snapshots = policy.ordering == "snapshot" or (
+            policy.ordering == "recency" and type(policy).snapshot is not Policy.snapshot
+        )
+        # a policy deciding host admission per request on the synchronous path (Engine.admit)
+        self._sync_admission = bool(getattr(policy, "sync_admission", False))
+        self.audit = DeclineAudit(host_blocks) if config.audit_declines else None
         self._events: list[Event] = []
         self._batch_seq = count(1)
         self._timers: list[tuple[float, int, int, object]] = []
@@ -209,7 +224,7 @@ class Simulator:
                 active += 1
                 if active >= self.config.concurrency:
                     break
-        if self.policy.ordering == "snapshot":
+        if self._uses_snapshots:
             self._apply_snapshot()
             self._at(self.config.snapshot_interval_s, _SNAPSHOT, None)
         done = 0
@@ -257,6 +272,9 @@ class Simulator:
             raise RuntimeError(f"{len(self._waiting)} requests never admitted")
         if progress is not None:
             progress(done % 256)
+        if self.audit is not None:
+            self.report.declined_lost_hits = self.audit.counts.lost_hits
+            self.report.declined_reused_late = self.audit.counts.reused_late
         self.report.finish(self.now, self._latencies, time.perf_counter() - started)
         return self.report
 
@@ -330,6 +348,8 @@ class Simulator:
         # and then recompute one token (offloading/scheduler.py, sched/scheduler.py in 0.32)
         host_hit = host.prefix_hits(blocks, gpu_hit, len(blocks)) if len(host) else 0
         req.gpu_hit, req.host_hit = gpu_hit, host_hit
+        if self.audit is not None:
+            self.audit.started(req.rid, blocks, gpu_hit)
         events = self._events
         events.append(
             RequestStarted(
@@ -424,10 +444,13 @@ class Simulator:
         candidates = [b for b in offered if b not in resident]
         if not candidates:
             return
-        admitted = self._write_filter(req, candidates)
+        admitted = self._admitted(req, candidates)
         stored, evicted = host.store(admitted, protected=offered)
         r = self.report
         r.host_declined_blocks += len(candidates) - len(stored)
+        if self.audit is not None:
+            kept = set(stored)
+            self.audit.declined(req.rid, (b for b in candidates if b not in kept))
         r.host_evicted_blocks += len(evicted)
         if evicted:
             self._events.append(
@@ -453,14 +476,25 @@ class Simulator:
             return candidates
         return candidates if len(candidates) <= wf.max_new_blocks else []
 
+    def _admitted(self, req: _Req, candidates: list[int]) -> list[int]:
+        """The snapshot's write filter, then (for policies deciding per request) Engine.admit."""
+        admitted = self._write_filter(req, candidates)
+        if self._sync_admission and admitted:
+            admitted = list(self.engine.admit(req.rid, admitted).block_hashes)
+        return admitted
+
     def _prefilled(self, req: _Req) -> None:
         """The prompt's KV exists: write it to the host tier, then decode."""
+        if self.audit is not None:
+            self.audit.prefilled(req.rid)
         if self.host.capacity_blocks:
             self._store(req, self._offered(req))
         finish = self.now + req.call.output_tokens * self.profile.decode_s_per_token
         self._at(finish, _FINISH, req)
 
     def _finish(self, req: _Req) -> None:
+        if self.audit is not None:
+            self.audit.finished(req.rid)
         if req.output_blocks:
             self._cache_gpu(req, req.output_blocks)
         if self.host.capacity_blocks:

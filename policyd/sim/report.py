@@ -51,6 +51,10 @@ class Report:
     latency_p99_s: float = 0.0
     wall_s: float = 0.0
     belady_fraction: float | None = None
+    # with SimConfig.audit_declines: declined host writes referenced again while the
+    # counterfactual (written) copy would still have been resident / after it was evicted
+    declined_lost_hits: int | None = None
+    declined_reused_late: int | None = None
     records: list[RequestRecord] = field(default_factory=list)
 
     def finish(self, makespan_s: float, latencies_s: list[float], wall_s: float) -> None:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from policyd.workload import Workload
+from policyd.workloads.mixed import mixed
 from policyd.workloads.pbkv import code_writing, fact_checking, financial
 from policyd.workloads.pool import coding_pool
 from policyd.workloads.synthetic import synthetic_agents
@@ -16,6 +17,7 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "financial": financial,
     "coding-pool": coding_pool,
     "synthetic": synthetic_agents,
+    "mixed": mixed,
 }
 
 

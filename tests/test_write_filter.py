@@ -1,0 +1,104 @@
+"""EfficientAgent's Proposition 1, checked on replay (``policyd.sim.audit.DeclineAudit``).
+
+The proposition: declining the host write of a block whose next reuse distance (in the
+unfiltered reference stream) is at least the tier's capacity loses no hit - LRU would evict it
+before the reuse. It holds only under that condition, so the tests encode it:
+
+* a filter that declines exactly the blocks meeting the condition (found by a first replay in
+  which everything is declined and the write-all counterfactual says which blocks it would have
+  evicted before their reuse) loses no hit: no declined block is referenced while the
+  counterfactual tier still holds it, and the real tier's hits are no fewer than write-all's;
+* a filter that ignores the condition does lose hits, and the audit sees them (so the audit can
+  fail);
+* EfficientAgent's conditioned filter meets the condition trivially on a tier larger than the
+  working set (it declines nothing: the "no blow-up" case), while its fixed filter there declines
+  blocks that would have been hit - the paper's 4.3x blow-up.
+
+The stream is a pool of coding agents in a fixed order (each call its own stream, concurrency
+1), so every replay sees the same references and only the host tier's contents differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cache
+from typing import ClassVar
+
+from policyd.engine import EngineState
+from policyd.mrc_eval import interleave
+from policyd.policies import make_policy
+from policyd.policies.base import Policy
+from policyd.sim.audit import DeclineAudit
+from policyd.sim.replay import SimConfig, Simulator
+from policyd.sim.report import Report
+from policyd.types import Admit
+from policyd.workload import Workload, sequential
+from policyd.workloads import make_workload
+
+GPU_BLOCKS = 1536
+SMALL_HOST_BLOCKS = 1500  # below the pool's reuse working set: LRU thrashes
+LARGE_HOST_BLOCKS = 60_000  # above it
+
+
+@cache
+def pool_stream() -> Workload:
+    pool = make_workload("coding-pool", seed=3, tasks=6, max_prompt_tokens=12_000)
+    calls = interleave(pool, 4, decode_s_per_token=0.008)
+    return sequential(calls, name="pool-in-order")
+
+
+class DeclineSet(Policy):
+    """LRU, declining exactly the ``(request, block)`` host writes in ``declined`` (None: all)."""
+
+    name: ClassVar[str] = "decline-set"
+    sync_admission: ClassVar[bool] = True
+
+    def __init__(self, declined: set[tuple[str, int]] | None) -> None:
+        self.declined = declined
+
+    def admit(self, request_id: str, block_hashes: Sequence[int], state: EngineState) -> Admit:
+        if self.declined is None:
+            return Admit(request_id=request_id, block_hashes=(), declined=tuple(block_hashes))
+        declined = self.declined
+        keep = tuple(b for b in block_hashes if (request_id, b) not in declined)
+        return Admit(request_id=request_id, block_hashes=keep)
+
+
+def replay(policy: Policy, host_blocks: int) -> tuple[Report, DeclineAudit]:
+    config = SimConfig(concurrency=1, gpu_blocks=GPU_BLOCKS, host_blocks=host_blocks)
+    sim = Simulator(pool_stream(), policy, config)
+    sim.audit = DeclineAudit(host_blocks, keep_blocks=True)
+    return sim.run(), sim.audit
+
+
+def test_declining_only_blocks_evicted_before_reuse_loses_no_hit() -> None:
+    write_all, _ = replay(make_policy("lru"), SMALL_HOST_BLOCKS)
+    _, probe = replay(DeclineSet(None), SMALL_HOST_BLOCKS)
+    # Proposition 1's condition: next reuse distance >= capacity (or never reused)
+    condition = probe.late_blocks | probe.pending_blocks
+    assert probe.lost_blocks and condition  # the stream has both kinds at this capacity
+    filtered, audit = replay(DeclineSet(condition), SMALL_HOST_BLOCKS)
+    assert audit.counts.declined_blocks > 0
+    assert audit.counts.lost_hits == 0, audit.counts.lost_examples
+    assert filtered.host_hit_blocks >= write_all.host_hit_blocks
+    assert filtered.host_write_bytes < write_all.host_write_bytes
+
+
+def test_the_audit_sees_a_filter_that_ignores_the_condition() -> None:
+    _, audit = replay(DeclineSet(None), LARGE_HOST_BLOCKS)
+    assert audit.counts.lost_hits > 0
+    assert (
+        audit.counts.lost_hits + audit.counts.reused_late + audit.counts.never_reused
+        == audit.counts.declined_blocks
+    )
+
+
+def test_conditioned_admission_declines_nothing_on_a_tier_above_the_working_set() -> None:
+    report, audit = replay(make_policy("efficientagent", mode="conditioned"), LARGE_HOST_BLOCKS)
+    assert audit.counts.declined_blocks == 0
+    assert report.host_declined_blocks == 0
+    fixed, fixed_audit = replay(
+        make_policy("efficientagent", mode="fixed", kappa_chunks=0), LARGE_HOST_BLOCKS
+    )
+    assert fixed_audit.counts.lost_hits > 0  # the blow-up: refills declined that would hit
+    assert fixed.recomputed_tokens > report.recomputed_tokens
