@@ -167,6 +167,14 @@ def _start_serve(db: Path, policy: str) -> tuple[subprocess.Popen[str], dict[str
     raise RuntimeError(f"`{' '.join(cmd)}` did not report ready (exit code {proc.poll()})")
 
 
+def _get_stats(client: httpx.Client) -> dict[str, Any]:
+    """GET /api/stats, retried once on a transport error (a reset idle connection)."""
+    try:
+        return dict(client.get("/api/stats").json())
+    except httpx.TransportError:
+        return dict(client.get("/api/stats").json())
+
+
 def _decision_latency(http_url: str, n: int) -> dict[str, Any]:
     """p50/p99 of POST /api/decide/evict, raw keep-alive http.client and httpx."""
     body = json.dumps({"tier": "gpu", "candidates": list(range(64)), "n_blocks": 8})
@@ -233,7 +241,7 @@ def run_bench(
             )
             for i in range(senders)
         ]
-        before = client.get("/api/stats").json()
+        before = _get_stats(client)
         t0 = time.monotonic()
         for p in procs:
             p.start()
@@ -248,7 +256,7 @@ def run_bench(
                 latencies.append(time.monotonic() - snap.ts)
             now = time.monotonic()
             if now - last >= 5.0:
-                st = client.get("/api/stats").json()
+                st = _get_stats(client)
                 peak_queue = max(peak_queue, st["ingest_queue_frames"])
                 rate_rx = (st["events_received"] - prev["events_received"]) / (now - last)
                 rate_ap = (st["events"] - prev["events"]) / (now - last)
@@ -264,12 +272,12 @@ def run_bench(
         # the backlog drains after the senders stop: give it a moment, then read the counters
         drain_deadline = time.monotonic() + 60
         while time.monotonic() < drain_deadline:
-            st = client.get("/api/stats").json()
+            st = _get_stats(client)
             if st["ingest_queue_frames"] == 0:
                 break
             time.sleep(0.5)
         drained_s = time.monotonic() - t0
-        after = client.get("/api/stats").json()
+        after = _get_stats(client)
         hist_before = sum(before["history"]["rows_written"].values())
         hist_after = sum(after["history"]["rows_written"].values())
         say(f"measuring decision latency ({decisions} raw + {decisions // 4} httpx requests)")

@@ -56,7 +56,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     events += workflow_events(WORKFLOWS)[:-1]  # one workflow still running
     client.send_many(events)
     client.flush()
-    assert wait_for(lambda: running.service.engine.state.counters.events == len(events))
+    assert wait_for(lambda: running.service.counts["events"] == len(events))
     client.close()
     yield running
     running.stop()

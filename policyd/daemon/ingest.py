@@ -133,6 +133,7 @@ class IngestCounters:
 class Received:
     batch: EventBatch
     received_ts: float  # wall clock, for the history
+    events: int  # events it stands for (after shedding, before coalescing)
 
 
 class IngestQueue:
@@ -155,10 +156,11 @@ class IngestQueue:
         rate = keep_rate(len(self._items), self.shed_above, self.max_frames)
         batch, dropped = shed(batch, rate)
         c.events_shed += dropped
+        n = len(batch.events)
         batch = coalesce(batch)
         # a batch shed to nothing is still queued: the Engine must see its seq (no false gap)
         with self._cond:
-            self._items.append(Received(batch, received_ts))
+            self._items.append(Received(batch, received_ts, n))
             self._cond.notify()
 
     def take(self, max_items: int, timeout_s: float) -> list[Received]:

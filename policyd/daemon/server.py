@@ -82,7 +82,13 @@ def start_daemon(settings: DaemonSettings) -> RunningDaemon:
         raise
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
-        create_app(service), log_level="warning", access_log=False, lifespan="off"
+        create_app(service),
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        # clients poll every few seconds: uvicorn's 5 s default races their reuse of the idle
+        # connection (the server closes it as the client sends: connection reset)
+        timeout_keep_alive=75,
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(
@@ -104,7 +110,7 @@ def serve(settings: DaemonSettings) -> int:
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        log.info("signal %d: shutting down", signum)
+        log.warning("signal %d: shutting down", signum)
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)

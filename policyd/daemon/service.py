@@ -355,6 +355,7 @@ class Service:
         for item in items:
             with self.lock:  # per batch: HTTP decisions wait at most one batch
                 self.engine.apply(item.batch)
+                self.counts["events"] += item.events
             if item.batch.events:
                 self.history.record_batch(item.batch, received_ts=item.received_ts)
 
@@ -654,7 +655,7 @@ class Service:
         )
         with self.lock:
             current = {k: self.counts[k] for k in keys}
-            current["events"] = self.engine.state.counters.events
+            current["events"] = self.counts["events"]
         current["events_shed"] = self.queue.counters.events_shed
         now = self.clock()
         row: dict[str, object] = {

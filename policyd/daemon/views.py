@@ -47,7 +47,8 @@ def stats(service: Service) -> dict[str, Any]:
             for s in range(1, tracker.k + 1)
         }
         engine = {
-            "events": ec.events,
+            "events": c.get("events", 0),
+            "engine_events": ec.events,
             "batches": ec.batches,
             "seq_gaps": ec.seq_gaps,
             "workflows_finished": ec.workflows_finished,
