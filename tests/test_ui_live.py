@@ -17,6 +17,8 @@ import pyarrow as pa  # type: ignore[import-untyped]
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from policyd.daemon.server import start_daemon
+from policyd.daemon.settings import DaemonSettings
 from policyd.demo import DemoRun
 from ui import charts, screenshots
 from ui.client import Client, DaemonRejectedError
@@ -230,3 +232,34 @@ def test_every_page_renders_in_headless_chromium(api: Client, tmp_path: Path) ->
     for name, colors in must_show.items():
         for color in colors:
             assert screenshots.color_pixels(shots[name], color) > 200, (name, color, shots[name])
+
+
+def test_tuning_needs_the_daemons_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon with a token refuses a change from a dashboard without it (401, in a banner,
+    nothing applied) and accepts it once the dashboard is given the token."""
+    settings = DaemonSettings(
+        db=tmp_path / "token.duckdb",
+        events="tcp://127.0.0.1:*",
+        snapshots="tcp://127.0.0.1:*",
+        http_port=0,
+        token="s3cret",
+    )
+    with start_daemon(settings) as daemon:
+        monkeypatch.setenv("POLICYD_API_URL", daemon.http_url)
+        monkeypatch.setenv("POLICYD_UI_TIMEOUT_S", "20")
+        monkeypatch.delenv("POLICYD_API_TOKEN", raising=False)
+        at = page(AppTest.from_file(str(APP), default_timeout=30).run(), "tuning")
+        at.number_input(key="setting:prefetch_budget_blocks").set_value(7)
+        at.button[0].click().run()
+        assert any("HTTP 401" in e.value for e in at.error), [e.value for e in at.error]
+        current = {s["key"]: s["value"] for s in Client(daemon.http_url).settings()}
+        assert current["prefetch_budget_blocks"] != 7
+
+        monkeypatch.setenv("POLICYD_API_TOKEN", "s3cret")
+        at = page(AppTest.from_file(str(APP), default_timeout=30).run(), "tuning")
+        at.number_input(key="setting:prefetch_budget_blocks").set_value(7)
+        at.button[0].click().run()
+        assert not at.error, [e.value for e in at.error]
+        current = {s["key"]: s["value"] for s in Client(daemon.http_url).settings()}
+        assert current["prefetch_budget_blocks"] == 7
+        assert any("prefetch_budget_blocks" in s.value for s in at.success)

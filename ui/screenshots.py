@@ -207,7 +207,7 @@ def capture_all(
     *,
     token: str | None = None,
     pages: Sequence[str] | None = None,
-    attempts: int = 4,
+    attempts: int = 6,
     log_path: Path | None = None,
 ) -> dict[str, Path]:
     """Screenshot each page (all by default) of a dashboard pointed at ``api_url``.
@@ -229,6 +229,7 @@ def capture_all(
                 shots[name] = screenshot(base + paths[name], out_dir / f"{name}.png")
                 if tries >= attempts or not measure(shots[name]).blank():
                     break
+                time.sleep(1.0)  # a loaded machine: give the server a moment
             elapsed_s = time.monotonic() - started
             print(f"{name}: {shots[name]} in {elapsed_s:.1f} s, {tries} tries", flush=True)
     return shots
