@@ -193,6 +193,8 @@ def test_decisions_are_answered_and_recorded(http: httpx.Client) -> None:
     assert wait_for(lambda: len(http.get("/api/decisions?kind=evict").json()["decisions"]) >= 1)
     rows = http.get("/api/decisions", params={"limit": 5}).json()["decisions"]
     assert rows and rows == sorted(rows, key=lambda r: -r["ts"])
+    assert http.get("/api/decisions", params={"kind": "", "q": ""}).status_code == 200
+    assert http.get("/api/decisions", params={"kind": "nope"}).status_code == 422
     found = http.get("/api/decisions", params={"q": "W3"}).json()["decisions"]
     assert found and all("w3" in (r["workflow_id"] or "") + r["reason"] for r in found)
 

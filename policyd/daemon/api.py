@@ -27,6 +27,7 @@ from policyd.history import SqlRefused
 T = TypeVar("T")
 U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
 MAX_SQL_ROWS = 10_000
+DECISION_KINDS = ("evict", "admit", "decline", "prefetch", "pin", "retire")
 
 
 class ApiError(Exception):
@@ -139,9 +140,12 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
     @app.get("/api/decisions")
     async def decisions(
         limit: int = Query(100, ge=1, le=1000),
-        kind: Literal["evict", "admit", "decline", "prefetch", "pin", "retire"] | None = None,
+        kind: str | None = None,
         q: str | None = Query(None, max_length=200),
     ) -> Any:
+        if kind and kind not in DECISION_KINDS:
+            raise ApiError(422, f"kind must be one of {', '.join(DECISION_KINDS)} (or empty)")
+        kind, q = kind or None, q or None
         return _json_safe({"decisions": await call(views.decisions_view, service, limit, kind, q)})
 
     @app.post("/api/decide/evict")

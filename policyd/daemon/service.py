@@ -318,6 +318,7 @@ class Service:
         saved = models.get("tunables")
         if isinstance(saved, dict):
             good, _ = validate_tunables(saved)  # a setting that no longer validates is dropped
+            good.pop("policy", None)  # the policy named at start (flag, env, default) wins
             self.tunables.update(good)
         self.checkpoint_info["restored"] = True
 
