@@ -245,11 +245,16 @@ def probability_heatmap(long: pd.DataFrame) -> AnyChart:
 def counts_bar(frame: pd.DataFrame, category: str, title: str) -> AnyChart:
     """Horizontal bars of ``n`` per ``category`` (e.g. decisions by reason)."""
     chart: AnyChart = (
-        alt.Chart(frame, title=title, height=alt.Step(18))
+        alt.Chart(frame, title=title, height=alt.Step(24))
         .mark_bar(color=COUNT_COLOR)
         .encode(
             x=alt.X("n:Q", title="count"),
-            y=alt.Y(f"{category}:N", sort="-x", title=None, axis=alt.Axis(labelLimit=320)),
+            y=alt.Y(
+                f"{category}:N",
+                sort="-x",
+                title=None,
+                axis=alt.Axis(labelLimit=360, labelOverlap=False),
+            ),
             tooltip=[f"{category}:N", "n:Q"],
         )
     )

@@ -36,7 +36,7 @@ def live() -> None:
         st.info("No decisions match." if query or kind else "No decisions recorded yet.")
         return
     st.caption(f"{len(frame):,} decisions shown.")
-    left, right = st.columns(2)
+    left, right = st.columns([1, 2])
     with left:
         by_kind = frame.groupby("kind").size().reset_index(name="n")
         st.altair_chart(charts.counts_bar(by_kind, "kind", "Decisions by kind"), width="stretch")
