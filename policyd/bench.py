@@ -7,6 +7,7 @@ its table and stored in its JSON.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import json
@@ -44,6 +45,8 @@ class BenchSpec:
     snapshot_interval_s: float = 1.0
     # pbkv rerun with this fraction of its predictions replaced by random ones (degradation)
     noise: Sequence[float] = ()
+    # generated workloads: this many streams (workflows / tasks) instead of each default
+    streams: int | None = None
 
     def __post_init__(self) -> None:
         if any(not 0.0 <= x <= 1.0 for x in self.noise):
@@ -62,12 +65,25 @@ class BenchSpec:
         )
 
 
-def default_loader(seed: int) -> WorkloadLoader:
-    """A generator by name (seeded), else a real trace by path (``policyd.traces``)."""
+# the parameter each generator takes for its number of streams
+STREAM_PARAMS = {
+    "fact-checking": "workflows",
+    "code-writing": "workflows",
+    "financial": "workflows",
+    "synthetic": "workflows",
+    "coding-pool": "tasks",
+    "mixed": "streams",
+}
+
+
+def default_loader(seed: int, streams: int | None = None) -> WorkloadLoader:
+    """A generator by name (seeded, ``streams`` streams when given), else a real trace by path
+    (``policyd.traces``)."""
 
     def load(name: str) -> Workload:
         if name in WORKLOADS:
-            return make_workload(name, seed=seed)
+            params = {STREAM_PARAMS[name]: streams} if streams and name in STREAM_PARAMS else {}
+            return make_workload(name, seed=seed, **params)
         return load_trace(name)
 
     return load
@@ -81,7 +97,7 @@ def run_bench(
     show_progress: bool = True,
 ) -> list[Report]:
     """Run every point of ``spec``; returns one report per (point, policy), belady included."""
-    load = load or default_loader(spec.seed)
+    load = load or default_loader(spec.seed, spec.streams)
     loaded = {name: load(name) for name in spec.workloads}
     # lru first (its order of calls seeds belady's oracle), then belady, then the rest
     lru_first = ["lru"] if "lru" in spec.policies else []
@@ -202,6 +218,7 @@ def bench_json(reports: Sequence[Report], spec: BenchSpec, command: str) -> dict
             "host_blocks": list(spec.host_blocks),
             "profile": spec.profile,
             "seed": spec.seed,
+            "streams": spec.streams,
         },
         "results": [r.to_json() for r in reports],
     }
@@ -250,3 +267,97 @@ def plot_sweep(reports: Sequence[Report], path: str, command: str) -> None:
     fig.suptitle(f"concurrency sweep - {command}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+# ---- python -m policyd.bench: every policy against agentkv --------------------------------------
+
+BASELINES = ("lru", "kvflow", "pbkv", "efficientagent")
+
+
+def versus_best(reports: Sequence[Report], ours: str = "agentkv") -> Table:
+    """Per point: ``ours`` against the best baseline by hit rate and by modelled makespan."""
+    table = Table(title=f"{ours} vs the best baseline per point", title_justify="left")
+    for column in (
+        "workload",
+        "C",
+        "host blk",
+        f"{ours} hit",
+        "best baseline hit",
+        "hit ratio",
+        f"{ours} of belady",
+        f"{ours} makespan s",
+        "best baseline makespan s",
+        "speedup",
+    ):
+        table.add_column(column, justify="left" if column == "workload" else "right")
+    points = dict.fromkeys(
+        (r.workload, r.concurrency, r.gpu_blocks, r.host_blocks) for r in reports
+    )
+    for point in points:
+        here = [
+            r for r in reports if (r.workload, r.concurrency, r.gpu_blocks, r.host_blocks) == point
+        ]
+        mine = next((r for r in here if r.policy == ours), None)
+        base = [r for r in here if r.policy in BASELINES]
+        if mine is None or not base:
+            continue
+        best_hit = max(base, key=lambda r: r.hit_rate)
+        best_time = min(base, key=lambda r: r.makespan_s)
+        table.add_row(
+            point[0],
+            str(point[1]),
+            f"{point[3]:,}",
+            f"{mine.hit_rate:.3f}",
+            f"{best_hit.hit_rate:.3f} ({best_hit.policy})",
+            f"{mine.hit_rate / best_hit.hit_rate:.3f}x" if best_hit.hit_rate else "-",
+            "-" if mine.belady_fraction is None else f"{mine.belady_fraction:.3f}",
+            f"{mine.makespan_s:,.1f}",
+            f"{best_time.makespan_s:,.1f} ({best_time.policy})",
+            f"{best_time.makespan_s / mine.makespan_s:.3f}x" if mine.makespan_s else "-",
+        )
+    return table
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m policyd.bench``: ``policyd bench`` plus ``--streams`` (smaller generated
+    workloads for a quick comparison) and the agentkv-vs-best-baseline table."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python -m policyd.bench", description=main.__doc__)
+    p.add_argument("--workload", required=True, help="comma-separated names or trace paths")
+    p.add_argument("--policies", default=",".join((*BASELINES, "agentkv")))
+    p.add_argument("--concurrency", required=True, help="comma-separated")
+    p.add_argument("--gpu-blocks", default="16384")
+    p.add_argument("--host-blocks", default="0,16384")
+    p.add_argument("--streams", type=int, default=None, help="streams per generated workload")
+    p.add_argument("--profile", default="h200-llama3.1-8b")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+
+    def ints(text: str) -> list[int]:
+        return [int(x) for x in text.split(",") if x]
+
+    spec = BenchSpec(
+        workloads=[w for w in args.workload.split(",") if w],
+        policies=[x for x in args.policies.split(",") if x],
+        concurrency=ints(args.concurrency),
+        gpu_blocks=list(ints(args.gpu_blocks)),
+        host_blocks=list(ints(args.host_blocks)),
+        profile=args.profile,
+        seed=args.seed,
+        streams=args.streams,
+    )
+    console = Console()
+    command = "python -m policyd.bench " + shlex.join(argv)
+    reports = run_bench(spec, show_progress=not args.no_progress)
+    console.print(render_table(reports, f"policies compared - profile {spec.profile}"))
+    console.print(versus_best(reports))
+    console.print(f"reproduce: {command}")
+    if args.json:
+        write_json(bench_json(reports, spec, command), args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

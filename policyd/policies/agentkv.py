@@ -1,8 +1,10 @@
 """``agentkv``: ours - PBKV's lifecycle and lookahead scores on both tiers, plus a host-tier write
 filter that generalises EfficientAgent's.
 
-* GPU tier and demotion: PBKV (``policyd.policies.pbkv``, inherited unchanged): retired blocks
-  first, then the lowest lookahead value, ties by recency; conservative prefetch.
+* GPU tier and demotion: PBKV (``policyd.policies.pbkv``, inherited): retired blocks first,
+  then the lowest lookahead value, ties by recency; conservative prefetch. One addition: the
+  blocks a call's output completes score as its prompt does (the agent's next prompt in the
+  workflow repeats them; PBKV leaves them unscored, below every live prompt).
 * Host tier eviction: the same scores (the simulator and the connector order the host queue by
   the snapshot too), so retired blocks leave the host first and a shared system prompt outlives
   a private tail nobody is predicted to read.
@@ -22,6 +24,8 @@ filter that generalises EfficientAgent's.
      the host capacity (it survives until reused). That is Proposition 1's condition estimated
      online; EfficientAgent's fixed threshold is the special case "refills never survive".
 
+* In service the connector asks ``admit`` once per request (the daemon's synchronous path); a
+  connector applying snapshots only gets EfficientAgent's rule as the snapshot's write filter.
 * Graceful degradation: while the predictor's rolling accuracy is below ``min_accuracy`` PBKV
   publishes no scores (recency + lifecycle) and admission skips test 1 - EfficientAgent's filter.
 """
@@ -32,6 +36,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import ClassVar
 
+import msgspec
+
 from policyd.engine import EngineState
 from policyd.mrc import Sizing
 from policyd.policies.efficientagent import WorkingSet
@@ -40,9 +46,13 @@ from policyd.predictor import Predictor
 from policyd.types import (
     BLOCK_SIZE_TOKENS,
     Admit,
+    BlocksStored,
     Event,
+    PolicySnapshot,
     RequestStarted,
+    ScoredBlocks,
     WorkflowFinished,
+    WriteFilter,
 )
 
 
@@ -107,7 +117,22 @@ class AgentKV(PBKV):
         self._last_call_ts: dict[str, float] = {}
         self._interval_s: dict[str, float] = {}  # workflow -> smoothed time between its calls
         self._mean_interval_s = 0.0
+        # (workflow, agent) -> (its latest prompt, the blocks that call's output completed):
+        # the agent's next prompt in the workflow starts with both
+        self._output: dict[tuple[str, str], tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self.decisions = {"all": 0, "dead": 0, "extension": 0, "survives": 0, "declined": 0}
+
+    def snapshot(
+        self, state: EngineState, *, now: float, version: int, ttl_s: float
+    ) -> PolicySnapshot:
+        """PBKV's scores, plus EfficientAgent's rule as the write filter: what a connector that
+        applies snapshots only (no per-request ``admit`` call) can enforce on its own."""
+        snap = super().snapshot(state, now=now, version=version, ttl_s=ttl_s)
+        pressure = self.working_set.pressure(state, now, theta=self.theta, source="shards")
+        write_filter = WriteFilter(
+            mode="conditioned", max_new_blocks=self.max_new_blocks, pressure=pressure
+        )
+        return msgspec.structs.replace(snap, write_filter=write_filter)
 
     def configure_tiers(self, *, gpu_blocks: int, host_blocks: int) -> None:
         self.working_set.configure(gpu_blocks=gpu_blocks, host_blocks=host_blocks)
@@ -135,10 +160,38 @@ class AgentKV(PBKV):
                 self._mean_interval_s = 0.02 * gap + 0.98 * self._mean_interval_s
             self._refs.append((event.ts, len(event.block_hashes)))
             self._refs_in_window += len(event.block_hashes)
+        elif kind is BlocksStored:
+            assert isinstance(event, BlocksStored)
+            req = state.requests.get(event.request_id or "")
+            if event.tier == "gpu" and req is not None:
+                prompt = set(req.block_hashes)
+                out = tuple(b for b in event.block_hashes if b not in prompt)
+                if out:
+                    self._output[req.workflow_id, req.agent] = (req.block_hashes, out)
         elif kind is WorkflowFinished:
             assert isinstance(event, WorkflowFinished)
             self._last_call_ts.pop(event.workflow_id, None)
             self._interval_s.pop(event.workflow_id, None)
+            for key in [k for k in self._output if k[0] == event.workflow_id]:
+                del self._output[key]
+
+    def score_groups(self, state: EngineState) -> list[ScoredBlocks]:
+        """PBKV's groups, plus each call's output blocks at the score of its prompt's tail:
+        an append-only conversation's next prompt starts with them (PBKV scores prompts
+        only, so their outputs would rank with unscored blocks, below every live prompt)."""
+        groups = super().score_groups(state)
+        if not self._output:
+            return groups
+        by_last = {g.block_hashes[-1]: g.score for g in groups}
+        extra: list[ScoredBlocks] = []
+        for (wid, agent), (prompt, out) in self._output.items():
+            wf = state.workflows.get(wid)
+            if wf is None or wf.agent_blocks.get(agent) != prompt or not prompt:
+                continue
+            score = by_last.get(prompt[-1])
+            if score is not None:
+                extra.append(ScoredBlocks(score, out))
+        return groups + extra
 
     def reference_rate_blocks_per_s(self) -> float:
         """Prompt blocks referenced per second over the window: in an LRU-like tier a block's

@@ -477,11 +477,10 @@ class Simulator:
         return candidates if len(candidates) <= wf.max_new_blocks else []
 
     def _admitted(self, req: _Req, candidates: list[int]) -> list[int]:
-        """The snapshot's write filter, then (for policies deciding per request) Engine.admit."""
-        admitted = self._write_filter(req, candidates)
-        if self._sync_admission and admitted:
-            admitted = list(self.engine.admit(req.rid, admitted).block_hashes)
-        return admitted
+        """Engine.admit for policies deciding per request, else the snapshot's write filter."""
+        if self._sync_admission:  # the per-request decision supersedes the snapshot's rule
+            return list(self.engine.admit(req.rid, candidates).block_hashes)
+        return self._write_filter(req, candidates)
 
     def _prefilled(self, req: _Req) -> None:
         """The prompt's KV exists: write it to the host tier, then decode."""
