@@ -273,3 +273,16 @@ def test_shedding_is_reported_in_stats_and_metrics(tmp_path: Path) -> None:
     assert stats["shed_rate"] == pytest.approx(stats["events_shed"] / (30 * 40))
     metrics = service.metrics.render().decode()
     assert f"policyd_events_shed_total {float(stats['events_shed'])}" in metrics
+
+
+def test_an_endpoint_in_use_is_a_clear_error(daemon: RunningDaemon, tmp_path: Path) -> None:
+    other = settings_for(tmp_path / "other", events=daemon.events_endpoint)
+    (tmp_path / "other").mkdir()
+    with pytest.raises(ValueError, match="cannot bind the events endpoint"):
+        start_daemon(other)
+    again = settings_for(tmp_path / "other", snapshots=daemon.snapshots_endpoint)
+    with pytest.raises(ValueError, match="cannot bind the snapshot endpoint"):
+        start_daemon(again)
+    assert daemon.service.ready()["ready"]
+    # the failed starts released the history file: a third start on it works
+    start_daemon(settings_for(tmp_path / "other")).stop()

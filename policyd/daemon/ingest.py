@@ -211,6 +211,11 @@ class Receiver:
         self._stop.set()
         self._thread.join(timeout=5.0)
 
+    def close(self) -> None:
+        """Release the socket of a receiver that was never started."""
+        if not self._thread.is_alive():
+            self._sock.close()
+
     def _run(self) -> None:
         sock, queue, codec, counters = self._sock, self.queue, self.codec, self.queue.counters
         try:

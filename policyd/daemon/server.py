@@ -76,10 +76,12 @@ def start_daemon(settings: DaemonSettings) -> RunningDaemon:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((settings.http_host, settings.http_port))
-    except OSError:
+    except OSError as exc:
         sock.close()
         service.stop()
-        raise
+        raise ValueError(
+            f"cannot bind the HTTP API to {settings.http_host}:{settings.http_port}: {exc}"
+        ) from None
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
         create_app(service),

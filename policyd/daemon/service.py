@@ -168,33 +168,52 @@ class Service:
         self.snapshots_endpoint = settings.snapshots
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._pub_ready = threading.Event()
         self._publish_now = threading.Event()
         self._started = False
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Open the history, bind the sockets, start the threads (returns once they listen)."""
+        """Open the history, bind the sockets, start the threads (returns once they listen).
+        An endpoint that cannot be bound is a ``ValueError`` naming it (nothing left open)."""
         self.history.start()
-        self.receiver = Receiver(
-            self.settings.events,
-            self.queue,
-            max_frame_bytes=self.settings.max_frame_bytes,
-            wall_clock=self.wall_clock,
-        )
+        try:
+            self.receiver = Receiver(
+                self.settings.events,
+                self.queue,
+                max_frame_bytes=self.settings.max_frame_bytes,
+                wall_clock=self.wall_clock,
+            )
+        except zmq.ZMQError as exc:
+            self.history.close()
+            raise ValueError(
+                f"cannot bind the events endpoint {self.settings.events}: {exc}"
+            ) from None
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.SNDHWM, 16)
+        try:
+            pub.bind(self.settings.snapshots)
+        except zmq.ZMQError as exc:
+            pub.close()
+            self.receiver.close()
+            self.history.close()
+            raise ValueError(
+                f"cannot bind the snapshot endpoint {self.settings.snapshots}: {exc}"
+            ) from None
+        self.snapshots_endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.events_endpoint = self.receiver.endpoint
         self.receiver.start()
-        for name, target in (
-            ("policyd-engine", self._engine_loop),
-            ("policyd-publisher", self._publish_loop),
-            ("policyd-housekeeping", self._housekeeping_loop),
-        ):
-            thread = threading.Thread(target=target, name=name, daemon=True)
+        threads: list[tuple[str, Callable[..., None], tuple[object, ...]]] = [
+            ("policyd-engine", self._engine_loop, ()),
+            ("policyd-publisher", self._publish_loop, (pub,)),  # the thread owns the socket
+            ("policyd-housekeeping", self._housekeeping_loop, ()),
+        ]
+        for name, target, args in threads:
+            thread = threading.Thread(target=target, args=args, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
-        if not self._pub_ready.wait(10.0):
-            raise RuntimeError("the snapshot publisher did not bind")
         if self.settings.vllm_events:
             self.kv_events = KvEventSubscriber(
                 self.settings.vllm_events,
@@ -246,7 +265,7 @@ class Service:
             "ingest": self.receiver is not None and self.receiver.running,
             "engine": any(t.name == "policyd-engine" and t.is_alive() for t in self._threads),
             "history": bool(hist.get("writer_alive")),
-            "snapshots": self._pub_ready.is_set(),
+            "snapshots": any(t.name == "policyd-publisher" and t.is_alive() for t in self._threads),
         }
         return {"ready": all(parts.values()), **parts}
 
@@ -551,19 +570,7 @@ class Service:
                 )
         return snap
 
-    def _publish_loop(self) -> None:
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        sock = ctx.socket(zmq.PUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 16)
-        try:
-            sock.bind(self.settings.snapshots)
-        except zmq.ZMQError as exc:
-            log.error("cannot bind the snapshot endpoint %s: %s", self.settings.snapshots, exc)
-            sock.close()
-            return
-        self.snapshots_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._pub_ready.set()
+    def _publish_loop(self, sock: zmq.Socket[bytes]) -> None:
         try:
             while True:
                 try:
