@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import socket
 import subprocess
@@ -386,6 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--table", nargs="+", type=Path, help="print the table of saved --json runs")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the table, not vLLM's start-up log
 
     if args.table:
         records = [rec for path in args.table for rec in json.loads(path.read_text())]
