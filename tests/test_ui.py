@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from ui import tables
 from ui.client import Client, DaemonTimeoutError, DaemonUnreachableError
 from ui.connection import resolve_target
 
@@ -91,3 +92,38 @@ def test_target_resolution_order() -> None:
     assert (from_args.url, from_args.token) == ("http://arg:2", "t-arg")
     assert resolve_target(["--refresh-s", "0.1"], {}).refresh_s == 1.0  # floor
     assert resolve_target([], {"POLICYD_UI_TIMEOUT_S": "nope"}).timeout_s > 0
+
+
+def test_mrc_reading_interpolates_and_clamps() -> None:
+    sizing = {
+        "mrc": [
+            {"capacity_gib": 0.0, "hit_ratio": 0.1, "host_hit_ratio": 0.0},
+            {"capacity_gib": 2.0, "hit_ratio": 0.5, "host_hit_ratio": 0.4},
+        ]
+    }
+    assert tables.hit_ratio_at(sizing, 1.0) == pytest.approx(0.3)
+    assert tables.hit_ratio_at(sizing, 1.0, "host_hit_ratio") == pytest.approx(0.2)
+    assert tables.hit_ratio_at(sizing, 9.0) == pytest.approx(0.5)  # flat beyond the curve
+    assert tables.hit_ratio_at({"mrc": []}, 1.0) is None
+
+
+def test_reasons_group_by_what_they_say() -> None:
+    a = "workflow finished (client): its 4146 cached blocks are retired"
+    b = "workflow finished (client): its 12 cached blocks are retired"
+    assert tables.reason_shape(a) == tables.reason_shape(b) != tables.reason_shape("store all")
+
+
+def test_cache_frame_says_when_there_is_no_lru_counterfactual() -> None:
+    rows = [
+        {"ts": 1.0, "prompt_blocks": 10, "gpu_hit_blocks": 4, "host_hit_blocks": 1,
+         "recomputed_blocks": 5, "lru_recomputed_blocks": None},
+        {"ts": 2.0, "prompt_blocks": 0, "gpu_hit_blocks": 0, "host_hit_blocks": 0,
+         "recomputed_blocks": 0, "lru_recomputed_blocks": None},
+    ]  # fmt: skip
+    frame = tables.cache_frame(rows)
+    assert tables.saved_tokens(frame) is None
+    long = tables.hit_ratio_long(frame)
+    assert len(long) == 3  # the empty interval has no ratio
+    assert dict(zip(long["tier"], long["ratio"], strict=True))["gpu"] == pytest.approx(0.4)
+    rows[0]["lru_recomputed_blocks"] = 7
+    assert tables.saved_tokens(tables.cache_frame(rows, block_tokens=16)) == 2 * 16
