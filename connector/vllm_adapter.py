@@ -391,6 +391,75 @@ class AgentKVSpec(CPUOffloadingSpec):
         return self._torch_worker
 
 
+# ---- the GPU tier -----------------------------------------------------------------------------
+
+
+class GpuTier:
+    """The snapshot's GPU-side decisions, through vLLM's live ``BlockPool`` (DESIGN.md §4).
+
+    Pinning: ``touch`` the daemon's pin list (capped by the runtime; never a retired block),
+    released with ``free_blocks`` when a later snapshot drops them or the snapshot goes stale.
+    Lifecycle eviction: every *free* cached block of a retired workflow loses its hash
+    (``evict_blocks``) and moves to the head of the free queue, so its slot is reused first.
+    Blocks a running request holds are never touched.
+    """
+
+    def __init__(self, pool: BlockPool, group_ids: Sequence[int]) -> None:
+        self.pool = pool
+        self.group_ids = list(group_ids)
+        self.pinned: dict[int, list[KVCacheBlock]] = {}
+        self.digests: OrderedDict[int, bytes] = OrderedDict()
+        self._applied_generation = 0
+
+    def remember(self, digest: bytes) -> None:
+        """Keep the wire hash -> vLLM hash mapping for blocks a snapshot may name."""
+        key = block_hash_int(digest)
+        self.digests[key] = digest
+        self.digests.move_to_end(key)
+        if len(self.digests) > MAX_DIGESTS:
+            self.digests.popitem(last=False)
+
+    def cached(self, block: int) -> list[KVCacheBlock]:
+        digest = self.digests.get(block)
+        if digest is None:
+            return []
+        return list(self.pool.get_cached_block(digest, self.group_ids) or ())
+
+    def unpin_all(self) -> None:
+        for blocks in self.pinned.values():
+            self.pool.free_blocks(blocks)
+        self.pinned = {}
+
+    def apply(self, rt: ConnectorRuntime) -> list[int]:
+        """Re-pin and evict retired blocks if the runtime's view changed; the evicted blocks."""
+        rt.refresh()
+        if rt.generation == self._applied_generation:
+            return []
+        self._applied_generation = rt.generation
+        wanted = set(rt.pins())
+        for block in [b for b in self.pinned if b not in wanted]:
+            self.pool.free_blocks(self.pinned.pop(block))
+        for block in wanted:
+            if block not in self.pinned:
+                cached = self.cached(block)
+                if cached:
+                    self.pool.touch(cached)
+                    self.pinned[block] = cached
+        rt.counters.gpu_pinned_blocks = len(self.pinned)
+        evicted: list[int] = []
+        for block in rt.retired_blocks:
+            free = [b for b in self.cached(block) if b.ref_cnt == 0 and not b.is_null]
+            if not free:
+                continue
+            self.pool.evict_blocks({b.block_id for b in free})
+            for b in free:
+                self.pool.free_block_queue.remove(b)
+            self.pool.free_block_queue.prepend_n(free)  # their slots are reused first
+            evicted.append(block)
+        rt.gpu_removed(evicted)
+        return evicted
+
+
 # ---- the connector ----------------------------------------------------------------------------
 
 
@@ -423,10 +492,7 @@ class AgentKVConnector(OffloadingConnector):
         self._guard = Guard()
         self._client: DaemonClient | None = None
         self._runtime: ConnectorRuntime | None = None
-        self._pool: BlockPool | None = None
-        self._pinned: dict[int, list[KVCacheBlock]] = {}
-        self._digests: OrderedDict[int, bytes] = OrderedDict()
-        self._applied_generation = 0
+        self._gpu: GpuTier | None = None
         self._block_size = vllm_config.cache_config.block_size
         self._group_ids = list(kv_cache_config.prefix_cacheable_group_ids)
         if role == KVConnectorRole.SCHEDULER:
@@ -469,7 +535,7 @@ class AgentKVConnector(OffloadingConnector):
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         super().bind_gpu_block_pool(gpu_block_pool)
-        self._pool = gpu_block_pool
+        self._gpu = GpuTier(gpu_block_pool, self._group_ids)
 
     def on_new_request(self, request: Any) -> None:
         super().on_new_request(request)
@@ -478,8 +544,9 @@ class AgentKVConnector(OffloadingConnector):
             return
 
         def started() -> None:
-            for digest in request.block_hashes:
-                self._remember(bytes(digest))
+            if self._gpu is not None:
+                for digest in request.block_hashes:
+                    self._gpu.remember(bytes(digest))
             rt.request_started(
                 request.request_id,
                 request.kv_transfer_params,
@@ -528,69 +595,18 @@ class AgentKVConnector(OffloadingConnector):
             )
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
-        self._guard.call("gpu decisions", self._apply_gpu_decisions, None)
+        gpu, rt = self._gpu, self._runtime
+        if gpu is not None and rt is not None:
+            no_change: list[int] = []
+            self._guard.call("gpu decisions", lambda: gpu.apply(rt), no_change)
         return super().build_connector_meta(scheduler_output)
 
     def shutdown(self) -> None:
-        self._guard.call("unpin", self._unpin_all, None)
+        if self._gpu is not None:
+            self._guard.call("unpin", self._gpu.unpin_all, None)
         if self._client is not None:
             self._guard.call("client close", lambda: self._client.close(0.5), None)  # type: ignore[union-attr]
         super().shutdown()
-
-    # -- the GPU tier --------------------------------------------------------------------------
-
-    def _remember(self, digest: bytes) -> None:
-        key = block_hash_int(digest)
-        self._digests[key] = digest
-        self._digests.move_to_end(key)
-        if len(self._digests) > MAX_DIGESTS:
-            self._digests.popitem(last=False)
-
-    def _cached(self, block: int) -> list[KVCacheBlock]:
-        digest = self._digests.get(block)
-        if digest is None or self._pool is None:
-            return []
-        found = self._pool.get_cached_block(digest, self._group_ids)
-        return list(found or ())
-
-    def _unpin_all(self) -> None:
-        if self._pool is not None and self._pinned:
-            for blocks in self._pinned.values():
-                self._pool.free_blocks(blocks)
-            if self._runtime is not None:
-                self._runtime.counters.gpu_pinned_blocks = 0
-        self._pinned = {}
-
-    def _apply_gpu_decisions(self) -> None:
-        """On a new (or newly stale) snapshot: re-pin, and evict retired workflows' free blocks."""
-        rt, pool = self._runtime, self._pool
-        if rt is None or pool is None:
-            return
-        rt.refresh()
-        if rt.generation == self._applied_generation:
-            return
-        self._applied_generation = rt.generation
-        wanted = set(rt.pins())
-        for block in [b for b in self._pinned if b not in wanted]:
-            pool.free_blocks(self._pinned.pop(block))
-        for block in wanted:
-            if block not in self._pinned:
-                cached = self._cached(block)
-                if cached:
-                    pool.touch(cached)
-                    self._pinned[block] = cached
-        rt.counters.gpu_pinned_blocks = len(self._pinned)
-        evicted: list[int] = []
-        for block in rt.retired_blocks:
-            free = [b for b in self._cached(block) if b.ref_cnt == 0 and not b.is_null]
-            if not free:
-                continue
-            pool.evict_blocks({b.block_id for b in free})
-            for b in free:
-                pool.free_block_queue.remove(b)
-            pool.free_block_queue.prepend_n(free)  # their slots are reused first
-            evicted.append(block)
-        rt.gpu_removed(evicted)
 
 
 class _NullSink:
