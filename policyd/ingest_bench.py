@@ -48,7 +48,8 @@ from policyd.types import (
 from policyd.wire import SNAPSHOT_TOPIC
 
 TARGET_EVENTS_PER_S: Final = 500_000
-RESIDENT_WINDOW: Final = 4096  # a sender removes the block it stored this many events ago
+RESIDENT_WINDOW: Final = 4096  # a sender evicts what it stored about this many events ago
+# (a multiple of 2 x RUN_EVENTS, so that every removal names a block a store run stored)
 
 
 CONCURRENT_WORKFLOWS: Final = 64
@@ -85,10 +86,9 @@ def _frames_for(sender: int, batch: int, seq: int, cursor: int) -> tuple[bytes, 
                 events.append(WorkflowFinished(ts=0.0, workflow_id=wid))
         elif (cursor // RUN_EVENTS) % 2:
             events.append(BlocksStored(ts=0.0, tier="gpu", block_hashes=(base + cursor,)))
-        else:
-            events.append(
-                BlocksRemoved(ts=0.0, tier="gpu", block_hashes=(base + cursor - RESIDENT_WINDOW,))
-            )
+        else:  # evict the block stored in the matching slot of a run RESIDENT_WINDOW ago
+            gone = base + cursor - RUN_EVENTS - RESIDENT_WINDOW
+            events.append(BlocksRemoved(ts=0.0, tier="gpu", block_hashes=(gone,)))
     frame = BATCH_CODEC.encode(EventBatch(source=f"bench-{sender}", seq=seq, events=tuple(events)))
     return frame, cursor
 
