@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import doctest
 import math
+import pickle
 import random
 from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
@@ -347,6 +348,40 @@ def test_the_path_cache_changes_no_forecast() -> None:
             assert cached.predict(call.workflow_id) == uncached.predict(call.workflow_id)
     assert cached.stats()["accuracy"] == uncached.stats()["accuracy"]
     assert cached._type("fact-checking").context.version > 100  # the weights did change
+
+
+def test_a_restored_checkpoint_forecasts_as_the_original() -> None:
+    """A pickled predictor (the daemon's checkpoint) goes on forecasting and learning exactly as
+    the one that kept running; one pickled before the weight versions existed drops its caches
+    and still forecasts."""
+    events = list(interleave(code_writing(seed=5, workflows=80), 8))
+    original = Predictor(k=3)
+
+    def feed(predictor: Predictor, part: list[tuple[Call, int, bool]]) -> list[Forecast]:
+        out = []
+        for call, pos, ended in part:
+            if pos:
+                out.append(predictor.predict(call.workflow_id))
+            if ended:
+                predictor.observe_finished(call.workflow_id)
+            else:
+                args = (call.workflow_type, call.agent, call.hints, float(pos))
+                predictor.observe_call(call.workflow_id, *args)
+        return out
+
+    feed(original, events[:300])
+    checkpoint = pickle.dumps(original)
+    restored = pickle.loads(checkpoint)
+    assert restored.active() == original.active()
+    assert feed(restored, events[300:]) == feed(original, events[300:])
+    assert restored.stats()["accuracy"] == original.stats()["accuracy"]
+
+    legacy = pickle.loads(checkpoint)
+    for model in legacy._types.values():
+        del model.context.version
+    legacy = pickle.loads(pickle.dumps(legacy))
+    for forecast in feed(legacy, events[300:400]):
+        check_forecast(forecast, 3)
 
 
 def test_invalid_use_is_refused() -> None:

@@ -302,6 +302,22 @@ class Predictor:
         forecast = self._rollout(position, self._evaluate(position, state), state)
         return self._noisy(workflow_type, forecast)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore a pickled predictor (a daemon checkpoint). One pickled before the context
+        model counted its weight versions has caches whose fields this version reads: they are
+        dropped and rebuilt on demand."""
+        self.__dict__.update(state)
+        self.__dict__.setdefault("max_paths", 256)
+        legacy = False
+        for model in self._types.values():
+            if not hasattr(model.context, "version"):
+                model.context.version = 0
+                model.structures.clear()
+                legacy = True
+        if legacy:
+            for workflow in self._workflows.values():
+                workflow.node = workflow.hints = None
+
     def active(self) -> list[str]:
         return list(self._workflows)
 
@@ -514,7 +530,7 @@ class Predictor:
         kind = position.kind
         if position.pos:  # an active workflow's position gets a forecast, and it is scored
             self._served(workflow)
-        elif workflow.node is None or workflow.hints is None:
+        if workflow.node is None or workflow.hints is None:  # (or dropped by a restore)
             workflow.hints = self._hints(position, self._type(kind).context)
             workflow.node = self._evaluate(position, workflow.hints)
         node, hints = workflow.node, workflow.hints
