@@ -7,7 +7,8 @@ COPY policyd ./policyd
 COPY connector ./connector
 COPY ui ./ui
 COPY migrations ./migrations
-RUN pip install --no-cache-dir '.[ui]'
+# editable: policyd.history finds migrations/ next to the policyd package
+RUN pip install --no-cache-dir -e '.[ui]'
 ENV POLICYD_DB=/var/lib/agentkv/history.duckdb
 VOLUME /var/lib/agentkv
 EXPOSE 8470 5557 5558 8501
