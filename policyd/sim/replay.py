@@ -160,6 +160,7 @@ class Simulator:
             host_blocks=host_blocks,
         )
         self._latencies: list[float] = []
+        self._last_finish_s = 0.0
 
     # -- wiring the policy in ----------------------------------------------------------------
 
@@ -275,7 +276,8 @@ class Simulator:
         if self.audit is not None:
             self.report.declined_lost_hits = self.audit.counts.lost_hits
             self.report.declined_reused_late = self.audit.counts.reused_late
-        self.report.finish(self.now, self._latencies, time.perf_counter() - started)
+        # the makespan ends with the last request, not with a snapshot tick scheduled after it
+        self.report.finish(self._last_finish_s, self._latencies, time.perf_counter() - started)
         return self.report
 
     def _flush(self) -> None:
@@ -505,6 +507,7 @@ class Simulator:
             RequestFinished(ts=self.now, request_id=req.rid, output_tokens=req.call.output_tokens)
         )
         self._latencies.append(self.now - req.arrival_s)
+        self._last_finish_s = self.now
         self.gpu.release(req.held, req.scratch)
         self._running -= 1
 
