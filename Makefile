@@ -33,7 +33,7 @@ $(VLLM_STAMP):
 setup-vllm: $(VLLM_STAMP)
 
 run: setup
-	$(VENV)/bin/policyd bench
+	$(VENV)/bin/policyd demo
 
 lint: setup
 	$(VENV)/bin/ruff check .
