@@ -34,7 +34,12 @@ from policyd.daemon.kv_events import KvEventSubscriber
 from policyd.daemon.metrics import Metrics
 from policyd.daemon.predictions import PredictionLog, resize_predictor
 from policyd.daemon.settings import DaemonSettings, default_tunables, validate_tunables
-from policyd.daemon.sizing import compute_sizing, empty_sizing, learn_prompt
+from policyd.daemon.sizing import (
+    compute_sizing,
+    empty_sizing,
+    learn_prompt,
+    lru_recomputed_blocks,
+)
 from policyd.engine import Engine
 from policyd.history import History, HistoryConfig
 from policyd.mrc import GiB
@@ -666,12 +671,11 @@ class Service:
             current["events"] = self.counts["events"]
         current["events_shed"] = self.queue.counters.events_shed
         now = self.clock()
-        row: dict[str, object] = {
-            "ts": self.wall_clock(),
-            "interval_s": now - self._stats_mark_s,
-            "lru_recomputed_blocks": None,
-        }
+        row: dict[str, object] = {"ts": self.wall_clock(), "interval_s": now - self._stats_mark_s}
         row.update({k: v - self._stats_mark.get(k, 0) for k, v in current.items()})
+        row["lru_recomputed_blocks"] = lru_recomputed_blocks(
+            self.sizing_view.get("lru_hit_ratio_current"), row["prompt_blocks"]
+        )
         self._stats_mark, self._stats_mark_s = current, now
         self.history.record("cache_stats", [row])
 

@@ -30,6 +30,7 @@ def empty_sizing(shards: Shards, gpu_blocks: int, host_blocks: int, kvb: int) ->
         "current_host_blocks": host_blocks,
         "current_host_gib": host_blocks * kvb / GiB,
         "recommended_host_gib": None,
+        "lru_hit_ratio_current": None,
         "working_set_blocks": None,
         "working_set_gib": None,
         "achievable_hit_ratio": None,
@@ -89,8 +90,12 @@ def compute_sizing(
         }
         for c, h, hh in zip(caps, hit, host_hit, strict=True)
     ]
+    # What plain LRU would hit with the same two tiers (inclusive host tier behind the GPU):
+    # the counterfactual the dashboard compares the live policy's recomputation against.
+    lru_hit = float(curve.hit_ratio(max(host_blocks, gpu_blocks)))
     view = {
         "mrc": mrc,
+        "lru_hit_ratio_current": lru_hit,
         "gpu_blocks": gpu_blocks,
         "current_host_blocks": host_blocks,
         "current_host_gib": gib(host_blocks),
@@ -122,3 +127,11 @@ def compute_sizing(
         "reason": sizing.reason,
     }
     return view, mrc_rows, sizing_row
+
+
+def lru_recomputed_blocks(lru_hit_ratio: object, prompt_blocks: object) -> int | None:
+    """Blocks plain LRU would have recomputed in an interval, from the online MRC's hit ratio at
+    the current capacities; None until the estimator has a curve."""
+    if not isinstance(lru_hit_ratio, float) or not isinstance(prompt_blocks, int):
+        return None
+    return round(prompt_blocks * (1.0 - lru_hit_ratio))
