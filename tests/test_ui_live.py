@@ -132,6 +132,13 @@ def test_cache_page_charts_the_history(app: AppTest, api: Client) -> None:
     traffic = chart_titled(at, "Host-tier traffic per interval")[0]
     written = sum(r["mib"] for r in traffic if r["direction"] == "written to host")
     assert written * 2**20 == pytest.approx(sum(r["host_written_bytes"] for r in rows))
+    # the daemon's LRU counterfactual (from its online MRC) gives a "saved vs LRU" figure
+    counterfactual = [r for r in with_blocks if r["lru_recomputed_blocks"] is not None]
+    assert counterfactual
+    saved = sum(r["lru_recomputed_blocks"] - r["recomputed_blocks"] for r in counterfactual)
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["tokens saved vs LRU (60 min)"] == f"{saved * 16:,.0f}"
+    assert chart_titled(at, "Recomputed tokens saved vs LRU (cumulative)")
 
 
 def test_sizing_page_marks_current_and_recommended_on_the_mrc(app: AppTest, api: Client) -> None:
