@@ -39,12 +39,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from policyd.mrc_eval import load_swe
 from policyd.policies import make_policy
 from policyd.policies.efficientagent import EfficientAgent
 from policyd.sim.profiles import get_profile
 from policyd.sim.replay import SimConfig, Simulator
 from policyd.sim.report import Report
-from policyd.traces.swe import read_swe
 from policyd.workload import Workload
 
 SWE_ARCHIVE = (
@@ -88,16 +88,6 @@ class Row:
     report: Report
 
 
-def load(path: Path, limit: int | None, decode_tokens_per_s: float, progress: Progress) -> Workload:
-    task = progress.add_task("reading trajectories", total=limit)
-    streams = []
-    for trajectory in read_swe(path, limit=limit, decode_tokens_per_s=decode_tokens_per_s):
-        streams.append(trajectory.calls)
-        progress.advance(task)
-    progress.update(task, total=len(streams), completed=len(streams))
-    return Workload(f"swe:{path.name}", streams, f"{len(streams)} mini-swe-agent trajectories")
-
-
 def replay(
     workload: Workload,
     variant: Variant,
@@ -122,7 +112,12 @@ def run(args: argparse.Namespace, console: Console) -> tuple[list[Row], dict[str
     )
     rows: list[Row] = []
     with progress:
-        workload = load(args.trace, args.limit, 1.0 / profile.decode_s_per_token, progress)
+        workload = load_swe(
+            args.trace,
+            limit=args.limit,
+            decode_tokens_per_s=1.0 / profile.decode_s_per_token,
+            progress=progress,
+        )
         base = SimConfig(
             concurrency=args.agents,
             gpu_blocks=args.gpu_blocks,
@@ -131,6 +126,9 @@ def run(args: argparse.Namespace, console: Console) -> tuple[list[Row], dict[str
             audit_declines=args.audit,
         )
         variants = [VARIANTS[v] for v in args.variants]
+        if not any(v.policy == "efficientagent" for v in variants):
+            # the recommended and large tiers are sized by efficientagent's online estimate
+            raise SystemExit("--variants must include efficientagent (it sizes the tiers)")
         tiers: list[tuple[str, int | None]] = [
             ("none", 0),
             ("small", args.small_host_blocks),
@@ -157,8 +155,7 @@ def run(args: argparse.Namespace, console: Console) -> tuple[list[Row], dict[str
                 rows.append(Row(tier, host, variant.label, report))
                 if tier == "small" and isinstance(policy, EfficientAgent):
                     sizing = policy.sizing()
-        if sizing is None:  # no efficientagent run: estimate from a write-all replay
-            raise SystemExit("the recommended tier needs the efficientagent variant")
+        assert sizing is not None  # the small tier ran efficientagent (checked above)
     meta = {
         "workload": workload.description,
         "calls": workload.calls,
