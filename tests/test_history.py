@@ -352,3 +352,16 @@ def test_a_simulated_workload_lands_whole(tmp_path: Path) -> None:
     assert counts == {kind: n for kind, n in per_kind.items() if n}
     assert requests[:3] == (len(starts), len(hits), len(starts))
     assert requests[3] == sum(e.gpu_blocks + e.host_blocks + e.recomputed_blocks for e in hits)
+
+
+def test_the_writer_connection_caps_duckdb_memory(tmp_path: Path) -> None:
+    """DuckDB's buffer pool defaults to 80% of the machine; the writer's is capped (bounded RSS)."""
+    h = History(HistoryConfig(db_path=tmp_path / "h.duckdb", memory_limit="256MB"))
+    h.start()
+    try:
+        (limit,) = h.query_live("select current_setting('memory_limit')")[0]
+        assert str(limit).replace(" ", "") in {"256.0MB", "244.1MiB"}
+    finally:
+        h.close()
+    with pytest.raises(ValueError, match="memory_limit"):
+        HistoryConfig(db_path=tmp_path / "x.duckdb", memory_limit="lots; drop table requests")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -46,6 +47,9 @@ _REQUEST_UPDATE_COLUMNS: Final = (
 )
 
 
+_MEMORY_LIMIT: Final = re.compile(r"[0-9]+(\.[0-9]+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)")
+
+
 @dataclass(frozen=True)
 class HistoryConfig:
     """How the history is kept. Every field has a production default."""
@@ -70,6 +74,9 @@ class HistoryConfig:
     """How often the writer publishes a snapshot by itself; None = only on request and close."""
     snapshot_storage_version: str | None = "v1.0.0"
     """DuckDB storage version of snapshots, so older DuckDB clients read them; None = this one."""
+    memory_limit: str = "512MB"
+    """DuckDB's buffer-pool cap for the writer connection (its default is 80% of the machine's
+    memory, which lets a long-running daemon's RSS grow with the file)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.block_sample_rate <= 1.0:
@@ -82,6 +89,10 @@ class HistoryConfig:
             raise ValueError("flush_interval_s and retention_interval_s must be positive")
         if self.queue_max_rows < 1:
             raise ValueError(f"queue_max_rows must be >= 1, got {self.queue_max_rows}")
+        if not _MEMORY_LIMIT.fullmatch(self.memory_limit):
+            raise ValueError(
+                f"memory_limit must look like '512MB' or '2GiB', got {self.memory_limit!r}"
+            )
         if Path(self.resolved_snapshot_path).resolve() == Path(self.db_path).resolve():
             raise ValueError("snapshot_path must differ from db_path")
 
@@ -156,6 +167,7 @@ class History:
         try:
             self._conn = duckdb.connect(str(self.config.db_path))
             self._conn.execute("SET enable_progress_bar = false")  # no bars in the daemon's log
+            self._conn.execute(f"SET memory_limit = '{self.config.memory_limit}'")  # validated
         except duckdb.Error as exc:
             raise _open_error(self.config.db_path, exc) from exc
         self._thread = threading.Thread(target=self._run, name="policyd-history", daemon=True)
