@@ -4,8 +4,6 @@ it, refuse a newer file, refuse a file another process holds; the CLI's ``policy
 from __future__ import annotations
 
 import hashlib
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +21,7 @@ from policyd.history import (
 )
 from policyd.history.revisions import SCRIPT_LOCATION
 from policyd.history.schema import KEY_COLUMN, TABLES
+from tests.holders import held_by_another_process
 
 ARROW_TO_DUCKDB = {"double": "DOUBLE", "int64": "BIGINT", "string": "VARCHAR", "bool": "BOOLEAN"}
 
@@ -118,21 +117,8 @@ def test_a_newer_file_is_refused_and_left_untouched(tmp_path: Path) -> None:
 @pytest.fixture
 def held_file(tmp_path: Path) -> Iterator[Path]:
     """A history file opened read-write by another process, as a running daemon holds it."""
-    db = tmp_path / "held.duckdb"
-    migrate(db)
-    script = (
-        "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); "
-        "print('ready', flush=True); time.sleep(60)"
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", script, str(db)], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    with held_by_another_process(tmp_path / "held.duckdb") as db:
         yield db
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_a_file_held_by_another_process_is_a_clear_error(held_file: Path) -> None:

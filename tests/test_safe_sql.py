@@ -6,8 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from policyd.history import (
 )
 from policyd.history.safe_sql import RULES, open_locked
 from policyd.types import BlocksStored, EventBatch, RequestStarted
+from tests.holders import held_by_another_process
 
 NOW = 1_800_000_000.0
 
@@ -269,22 +268,10 @@ def test_cli_reads_the_live_file_when_no_daemon_runs(
 @pytest.fixture
 def daemon_holding(tmp_path: Path) -> Iterator[Path]:
     """Another process holds the live file read-write, as a running daemon does."""
-    db = tmp_path / "held.duckdb"
-    migrate(db)
-    script = (
-        "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); "
-        "c.execute(\"INSERT INTO sizing (ts, reason) VALUES (2, 'held')\"); "
-        "print('ready', flush=True); time.sleep(60)"
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", script, str(db)], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    with held_by_another_process(
+        tmp_path / "held.duckdb", "INSERT INTO sizing (ts, reason) VALUES (2, 'held')"
+    ) as db:
         yield db
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_cli_with_the_daemon_holding_the_file(
