@@ -21,6 +21,7 @@ from policyd.types import (
     WorkflowFinished,
 )
 from policyd.wire import MAX_EVENTS_PER_BATCH, SNAPSHOT_TOPIC, Endpoints
+from tests.peers import Sockets, daemon_peer, wait_for
 
 
 class FakeClock:
@@ -32,29 +33,10 @@ class FakeClock:
 
 
 @pytest.fixture
-def daemon_sockets() -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes], Endpoints]]:
+def daemon_sockets() -> Iterator[Sockets]:
     """A PULL and a PUB bound on ephemeral loopback ports, as the daemon binds them."""
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pub = ctx.socket(zmq.PUB)
-    pull_port = pull.bind_to_random_port("tcp://127.0.0.1")
-    pub_port = pub.bind_to_random_port("tcp://127.0.0.1")
-    endpoints = Endpoints(
-        events=f"tcp://127.0.0.1:{pull_port}", snapshots=f"tcp://127.0.0.1:{pub_port}"
-    )
-    yield pull, pub, endpoints
-    pull.close(0)
-    pub.close(0)
-    ctx.term()
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
+    with daemon_peer() as sockets:
+        yield sockets
 
 
 def receive_batches(

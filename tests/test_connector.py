@@ -37,6 +37,7 @@ from policyd.types import (
     WriteFilter,
 )
 from policyd.wire import SNAPSHOT_TOPIC, Endpoints
+from tests.peers import Sockets, daemon_peer, wait_for
 
 # ---- request tags ------------------------------------------------------------------------------
 
@@ -259,27 +260,9 @@ def test_copy_plan_rejects_inconsistent_specs() -> None:
 
 
 @pytest.fixture
-def peer() -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes], Endpoints]]:
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pub = ctx.socket(zmq.PUB)
-    endpoints = Endpoints(
-        events=f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}",
-        snapshots=f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}",
-    )
-    yield pull, pub, endpoints
-    pull.close(0)
-    pub.close(0)
-    ctx.term()
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return False
+def peer() -> Iterator[Sockets]:
+    with daemon_peer() as sockets:
+        yield sockets
 
 
 def drain(pull: zmq.Socket[bytes], want: int, timeout_s: float = 10.0) -> list[Event]:
