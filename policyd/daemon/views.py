@@ -12,6 +12,7 @@ import msgspec
 from policyd.daemon.predictions import forecast_view
 from policyd.daemon.settings import tunables
 from policyd.history import run_readonly_query
+from policyd.history.schema import TABLES
 
 if TYPE_CHECKING:
     from policyd.daemon.service import Service
@@ -201,21 +202,7 @@ def decisions_view(
 
 
 def timeseries(service: Service, minutes: float) -> list[dict[str, Any]]:
-    cols = (
-        "ts",
-        "interval_s",
-        "requests",
-        "prompt_blocks",
-        "gpu_hit_blocks",
-        "host_hit_blocks",
-        "recomputed_blocks",
-        "host_written_bytes",
-        "host_loaded_bytes",
-        "write_declined_blocks",
-        "lru_recomputed_blocks",
-        "events",
-        "events_shed",
-    )
+    cols = tuple(name for name, _ in TABLES["cache_stats"])  # the schema's order
     since = service.wall_clock() - minutes * 60.0
     rows = service.history.query_live(
         f"select {', '.join(cols)} from cache_stats where ts >= ? order by ts", [since]
