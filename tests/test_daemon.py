@@ -286,3 +286,25 @@ def test_an_endpoint_in_use_is_a_clear_error(daemon: RunningDaemon, tmp_path: Pa
     assert daemon.service.ready()["ready"]
     # the failed starts released the history file: a third start on it works
     start_daemon(settings_for(tmp_path / "other")).stop()
+
+
+def test_an_empty_prefetch_answer_is_logged_as_a_decision_with_its_reason(
+    tmp_path: Path,
+) -> None:
+    service = Service(settings_for(tmp_path, policy="lru"))
+    service.history.start()
+    try:
+        empty = service.decide_prefetch(8)
+        zero = service.decide_prefetch(0)
+        service.history.flush()
+        rows = service.history.query_live(
+            "select kind, tier, n_blocks, reason, policy from decisions order by ts"
+        )
+    finally:
+        service.history.close()
+    assert empty["prefetch"] == [] and zero["prefetch"] == []
+    assert [r[:3] for r in rows] == [("prefetch", "gpu", 0), ("prefetch", "gpu", 0)]
+    assert rows[0][3] == empty["reason"] and "nothing to prefetch" in empty["reason"]
+    assert "does not prefetch" in empty["reason"] and "budget of 0" in zero["reason"]
+    assert {r[4] for r in rows} == {"lru"}
+    assert service.decision_counts["prefetch"] == 2

@@ -529,16 +529,21 @@ class Service:
         }
 
     def decide_prefetch(self, budget_blocks: int) -> dict[str, Any]:
+        """Host blocks to load into free GPU space. Every answer is logged, an empty one too
+        (as ``decide_evict`` logs a zero-victim answer), with why it is empty."""
         with self.lock:
             blocks = self.engine.prefetch(budget_blocks)
+            policy = self.engine.policy
         if blocks:
-            self._decision(
-                "prefetch",
-                tier="gpu",
-                n_blocks=len(blocks),
-                reason=f"{self.engine.policy.name}: blocks of likely next agents",
-            )
-        return {"prefetch": blocks}
+            reason = f"{policy.name}: blocks of likely next agents"
+        elif budget_blocks <= 0:
+            reason = f"{policy.name}: nothing to prefetch (a budget of 0 blocks)"
+        elif type(policy).prefetch is Policy.prefetch:
+            reason = f"{policy.name}: nothing to prefetch (the policy does not prefetch)"
+        else:
+            reason = f"{policy.name}: nothing to prefetch (no host block of a likely next agent)"
+        self._decision("prefetch", tier="gpu", n_blocks=len(blocks), reason=reason)
+        return {"prefetch": blocks, "reason": reason}
 
     def _host_blocks(self) -> int:
         return int(self.float_setting("host_tier_gib") * GiB // self.kv_bytes_per_block)
