@@ -73,12 +73,39 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="measure a `policyd serve` process: ingest rate, snapshot and decision latency, RSS",
     )
     bench.add_argument("--seconds", type=float, default=60.0, help="sustained phase (default 60)")
-    bench.add_argument("--batch", type=int, default=256, help="events per batch (default 256)")
+    bench.add_argument(
+        "--batch", type=int, default=256, help="block-level events per frame (default 256)"
+    )
+    bench.add_argument(
+        "--blocks-per-event",
+        type=int,
+        default=16,
+        help="block hashes per BlocksStored/BlocksRemoved event (default 16: a request's new "
+        "blocks or an eviction batch in one event; 1 is the worst case)",
+    )
+    bench.add_argument(
+        "--blocks-per-request",
+        type=int,
+        default=512,
+        help="one request (start, hit, finish) per this many block events (default 512)",
+    )
     bench.add_argument("--senders", type=int, default=1, help="sender processes (default 1)")
-    bench.add_argument("--rate", type=float, default=None, help="target events/s (default: max)")
+    bench.add_argument(
+        "--rate", type=float, default=None, help="target block events/s, all senders (default: max)"
+    )
     bench.add_argument("--db", type=Path, help="history file (default: a temporary directory)")
     bench.add_argument("--policy", choices=online_policies(), default="pbkv")
+    bench.add_argument(
+        "--block-sample-rate",
+        type=float,
+        default=None,
+        help="set the daemon's history block_sample_rate before the run (default: its own, 1.0)",
+    )
+    bench.add_argument(
+        "--sample-s", type=float, default=5.0, help="seconds between progress/RSS samples"
+    )
     bench.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    bench.add_argument("--plot", metavar="PATH", help="also plot RSS over the run (PNG)")
 
 
 def _serve(args: argparse.Namespace, argv: Sequence[str]) -> int:

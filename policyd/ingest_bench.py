@@ -26,20 +26,23 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, Final
 
 import httpx
+import msgspec
 import zmq
+from matplotlib.figure import Figure
 
 from policyd.daemon.server import READY_PREFIX
 from policyd.types import (
-    BATCH_CODEC,
+    PROTOCOL_VERSION,
     SNAPSHOT_CODEC,
     BlocksRemoved,
     BlocksStored,
     Event,
-    EventBatch,
     PrefixHit,
     RequestFinished,
     RequestStarted,
@@ -47,76 +50,192 @@ from policyd.types import (
 )
 from policyd.wire import SNAPSHOT_TOPIC
 
-TARGET_EVENTS_PER_S: Final = 500_000
-RESIDENT_WINDOW: Final = 4096  # a sender evicts what it stored about this many events ago
-# (a multiple of 2 x RUN_EVENTS, so that every removal names a block a store run stored)
-
-
+TARGET_BLOCK_EVENTS_PER_S: Final = 500_000
+RESIDENT_WINDOW_BLOCKS: Final = 4096  # a sender removes what it stored this many blocks ago
+RUN_BLOCKS: Final = 16  # blocks come in runs: 16 stored, then 16 removed, ...
 CONCURRENT_WORKFLOWS: Final = 64
 CALLS_PER_WORKFLOW: Final = 8
-EVENTS_PER_REQUEST: Final = 512  # one request's start, hit and finish per this many events
-RUN_EVENTS: Final = 16  # block events come in runs: 16 stores, then 16 removals, ...
+PROMPT_BLOCKS: Final = 4  # block hashes a bench request names
+MIN_RING_FRAMES: Final = 16
 
 
-def _frames_for(sender: int, batch: int, seq: int, cursor: int) -> tuple[bytes, int]:
-    """One frame of about ``batch`` events: per ``EVENTS_PER_REQUEST`` events one request
-    (start, prefix hit, finish) of one of ``CONCURRENT_WORKFLOWS`` round-robin workflows, each
-    finishing after ``CALLS_PER_WORKFLOW`` calls; the rest are GPU block stores and removals of
-    a sliding window of fresh hashes, one hash per event, in runs of ``RUN_EVENTS`` (as a
-    connector reports a request's blocks together); the Engine's residency stays bounded."""
+class _WireBatch(msgspec.Struct):
+    """``EventBatch`` with pre-encoded events: the same bytes on the wire (a map with the same
+    fields in the same order), built by copying the ring's encoded events instead of encoding
+    Python objects per frame."""
+
+    source: str
+    seq: int
+    events: list[msgspec.Raw]
+
+
+@dataclass(frozen=True)
+class StreamShape:
+    """What one sender's stream looks like.
+
+    ``blocks_per_event``: block hashes per BlocksStored / BlocksRemoved event. 16 by default: a
+    connector reports a request's new blocks (and an eviction batch) in one event, as vLLM's
+    ``BlockStored`` does for the blocks one scheduler step filled (vLLM emits ``BlockRemoved``
+    one hash per event; a run of those is what ``--blocks-per-event 1`` models, the worst case).
+    ``events_per_frame``: block-level events per frame (request events ride along).
+    ``blocks_per_request``: one request (start, prefix hit, finish; every
+    ``CALLS_PER_WORKFLOW``-th call also finishes its workflow) per this many block events.
+    """
+
+    blocks_per_event: int = 16
+    events_per_frame: int = 256
+    blocks_per_request: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("blocks_per_event", "events_per_frame", "blocks_per_request"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def blocks_per_frame(self) -> int:
+        return self.blocks_per_event * self.events_per_frame
+
+    @property
+    def run_events(self) -> int:
+        """Events of one kind in a row: a run of RUN_BLOCKS blocks (one event if larger)."""
+        return max(1, RUN_BLOCKS // self.blocks_per_event)
+
+
+def block_events(shape: StreamShape, sender: int, ring_frames: int) -> list[list[bytes]]:
+    """The ring's block-level events, encoded, per frame: runs of GPU stores of fresh positions
+    alternating with runs of removals of the blocks stored ``RESIDENT_WINDOW_BLOCKS`` earlier.
+    Positions wrap at the ring's length (the ring is cyclic), so residency stays bounded by
+    the window and a removal always names a block its store run stored (except in the first
+    window of a run, before anything was stored: those removals are no-ops)."""
+    b, run = shape.blocks_per_event, shape.run_events
+    run_blocks = b * run
+    total_events = ring_frames * shape.events_per_frame
+    if total_events % (2 * run):
+        raise ValueError("events per frame x ring frames must hold whole store/remove runs")
+    period = total_events // 2 * b  # distinct block positions in the ring
+    lag = -(-RESIDENT_WINDOW_BLOCKS // run_blocks) * run_blocks
+    if period <= lag + run_blocks:
+        raise ValueError("the ring is shorter than the residency window")
     base = (sender + 1) << 48
-    events: list[Event] = []
-    for _ in range(batch):
-        cursor += 1
-        if cursor % EVENTS_PER_REQUEST == 0:
-            r = cursor // EVENTS_PER_REQUEST
-            slot, rnd = r % CONCURRENT_WORKFLOWS, r // CONCURRENT_WORKFLOWS
-            wid = f"s{sender}-w{slot}-g{rnd // CALLS_PER_WORKFLOW}"
-            rid = f"s{sender}-r{r}"
-            hashes = tuple(base + cursor - k for k in range(4))
-            events.append(
-                RequestStarted(ts=0.0, request_id=rid, workflow_id=wid,
-                               agent=f"agent{rnd % CALLS_PER_WORKFLOW % 3}",
-                               workflow_type="bench", block_hashes=hashes, prompt_tokens=64)
-            )  # fmt: skip
-            events.append(PrefixHit(ts=0.0, request_id=rid, gpu_blocks=2, host_blocks=1,
-                                    recomputed_blocks=1))  # fmt: skip
-            events.append(RequestFinished(ts=0.0, request_id=rid, output_tokens=8))
-            if rnd % CALLS_PER_WORKFLOW == CALLS_PER_WORKFLOW - 1:
-                events.append(WorkflowFinished(ts=0.0, workflow_id=wid))
-        elif (cursor // RUN_EVENTS) % 2:
-            events.append(BlocksStored(ts=0.0, tier="gpu", block_hashes=(base + cursor,)))
-        else:  # evict the block stored in the matching slot of a run RESIDENT_WINDOW ago
-            gone = base + cursor - RUN_EVENTS - RESIDENT_WINDOW
-            events.append(BlocksRemoved(ts=0.0, tier="gpu", block_hashes=(gone,)))
-    frame = BATCH_CODEC.encode(EventBatch(source=f"bench-{sender}", seq=seq, events=tuple(events)))
-    return frame, cursor
+    encode = msgspec.msgpack.Encoder().encode
+    frames: list[list[bytes]] = []
+    stored = 0  # block positions stored so far
+    for f in range(ring_frames):
+        out: list[bytes] = []
+        for i in range(shape.events_per_frame):
+            e = f * shape.events_per_frame + i
+            if (e // run) % 2 == 0:
+                pos = stored
+                stored += b
+                out.append(
+                    encode(
+                        BlocksStored(ts=0.0, tier="gpu", block_hashes=_hashes(base, pos, b, period))
+                    )
+                )
+            else:  # the blocks of the matching event of a store run ``lag`` blocks ago
+                pos = (e // (2 * run)) * run_blocks + (e % run) * b - lag
+                out.append(
+                    encode(
+                        BlocksRemoved(
+                            ts=0.0, tier="gpu", block_hashes=_hashes(base, pos, b, period)
+                        )
+                    )
+                )
+        frames.append(out)  # fmt: skip
+    return frames
 
 
-def _sender(endpoint: str, sender: int, spec: tuple[int, float, float | None], out: Any) -> None:
-    """One sender process: PUSH frames without blocking; report (frames, events, again,
-    started, ended) - the times on CLOCK_MONOTONIC, shared by processes on one host.
-    ``spec`` is (events per batch, seconds, target events/s or None)."""
-    batch, seconds, rate = spec
+def _hashes(base: int, pos: int, n: int, period: int) -> tuple[int, ...]:
+    return tuple(base + (p % period) for p in range(pos, pos + n))
+
+
+def ring_frames_for(shape: StreamShape) -> int:
+    """Frames in a sender's ring: enough that positions wrap well after the residency window,
+    and whole store/remove runs."""
+    need = -(-8 * RESIDENT_WINDOW_BLOCKS // shape.blocks_per_frame)
+    frames = max(MIN_RING_FRAMES, need)
+    while (frames * shape.events_per_frame) % (2 * shape.run_events):
+        frames += 1
+    return frames
+
+
+class FrameSource:
+    """One sender's frames: the ring's encoded block events plus fresh request events and a
+    fresh ``seq`` per frame; ``next()`` costs a msgpack copy, not an encode per event."""
+
+    def __init__(self, shape: StreamShape, sender: int) -> None:
+        self.shape = shape
+        self.sender = sender
+        self.ring = [[msgspec.Raw(e) for e in frame] for frame in
+                     block_events(shape, sender, ring_frames_for(shape))]  # fmt: skip
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._event = msgspec.msgpack.Encoder().encode
+        self.seq = 0
+        self.blocks_sent = 0  # block events in the frames built so far
+        self.requests = 0
+        self.source = f"bench-{sender}"
+
+    def next(self) -> tuple[bytes, int, int]:
+        """The next frame, its events and its block events."""
+        shape = self.shape
+        block_raw = self.ring[self.seq % len(self.ring)]
+        self.seq += 1
+        self.blocks_sent += shape.blocks_per_frame
+        due = self.blocks_sent // shape.blocks_per_request - self.requests
+        extra = [msgspec.Raw(self._event(e)) for r in range(due)
+                 for e in self._request(self.requests + r)]  # fmt: skip
+        self.requests += due
+        events = extra + block_raw if extra else block_raw
+        frame = self._encode((PROTOCOL_VERSION, _WireBatch(self.source, self.seq, events)))
+        return frame, len(events), shape.blocks_per_frame
+
+    def _request(self, r: int) -> list[Event]:
+        """Request ``r``: one of ``CONCURRENT_WORKFLOWS`` round-robin workflows, each finishing
+        after ``CALLS_PER_WORKFLOW`` calls; its prompt names ``PROMPT_BLOCKS`` fresh hashes."""
+        slot, rnd = r % CONCURRENT_WORKFLOWS, r // CONCURRENT_WORKFLOWS
+        wid = f"s{self.sender}-w{slot}-g{rnd // CALLS_PER_WORKFLOW}"
+        rid = f"s{self.sender}-r{r}"
+        base = ((self.sender + 1) << 48) + (1 << 40) + r * PROMPT_BLOCKS
+        events: list[Event] = [
+            RequestStarted(ts=0.0, request_id=rid, workflow_id=wid,
+                           agent=f"agent{rnd % CALLS_PER_WORKFLOW % 3}", workflow_type="bench",
+                           block_hashes=tuple(range(base, base + PROMPT_BLOCKS)),
+                           prompt_tokens=16 * PROMPT_BLOCKS),
+            PrefixHit(ts=0.0, request_id=rid, gpu_blocks=2, host_blocks=1, recomputed_blocks=1),
+            RequestFinished(ts=0.0, request_id=rid, output_tokens=8),
+        ]  # fmt: skip
+        if rnd % CALLS_PER_WORKFLOW == CALLS_PER_WORKFLOW - 1:
+            events.append(WorkflowFinished(ts=0.0, workflow_id=wid))
+        return events
+
+
+@dataclass(frozen=True)
+class SenderSpec:
+    shape: StreamShape
+    seconds: float
+    rate_blocks_per_s: float | None  # None: as fast as the socket takes frames
+
+
+def _sender(endpoint: str, sender: int, spec: SenderSpec, out: Any) -> None:
+    """One sender process: PUSH frames without blocking; report (frames, events, block
+    events, again, started, ended) - the times on CLOCK_MONOTONIC, shared by processes on one
+    host. A frame the socket refuses (high-water mark) is retried, never waited on."""
+    source = FrameSource(spec.shape, sender)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, 64)
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(endpoint)
     time.sleep(0.2)
-    frames = events = again = 0
-    seq, cursor = 1, 0
-    frame: bytes | None = None
-    n = 0
+    frames = events = blocks = again = 0
+    rate = spec.rate_blocks_per_s
+    frame, n, nb = source.next()
     started = time.monotonic()
-    deadline = started + seconds
+    deadline = started + spec.seconds
     while (now := time.monotonic()) < deadline:
-        if rate is not None and events > rate * (now - started):
+        if rate is not None and blocks > rate * (now - started):
             time.sleep(0.0005)
             continue
-        if frame is None:
-            frame, cursor = _frames_for(sender, batch, seq, cursor)
-            n = len(BATCH_CODEC.decode(frame).events)
         try:
             sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
@@ -125,12 +244,12 @@ def _sender(endpoint: str, sender: int, spec: tuple[int, float, float | None], o
             continue
         frames += 1
         events += n
-        seq += 1
-        frame = None
+        blocks += nb
+        frame, n, nb = source.next()
     ended = time.monotonic()
     sock.close()
     ctx.term()
-    out.put((frames, events, again, started, ended))
+    out.put((frames, events, blocks, again, started, ended))
 
 
 def _rss_bytes(pid: int) -> int | None:
@@ -214,17 +333,26 @@ def _say(message: str) -> None:
     print(message, flush=True)
 
 
+def _block_counts(st: dict[str, Any]) -> tuple[int, int, int]:
+    return st["block_events_received"], st["block_events_applied"], st["block_events_shed"]
+
+
 def run_bench(
     *,
     seconds: float,
-    batch: int,
+    shape: StreamShape = StreamShape(),
     senders: int = 1,
     rate: float | None = None,
     db: Path | None = None,
     policy: str = "pbkv",
+    block_sample_rate: float | None = None,
     decisions: int = 2000,
+    sample_s: float = 5.0,
     say: Any = _say,
 ) -> dict[str, Any]:
+    """Start ``policyd serve``, drive it from ``senders`` processes for ``seconds``, and
+    return the figures (see the module docstring); ``sample_s``: seconds between progress
+    lines, each with the daemon's RSS (the series is in the result)."""
     tmp = None
     if db is None:
         tmp = tempfile.TemporaryDirectory(prefix="policyd-bench-")
@@ -233,6 +361,10 @@ def run_bench(
     http_url = ready["http_url"]
     client = httpx.Client(base_url=http_url, timeout=30)
     try:
+        if block_sample_rate is not None:
+            client.put(
+                "/api/settings", json={"block_sample_rate": block_sample_rate}
+            ).raise_for_status()
         time.sleep(1.0)
         rss_before = _rss_bytes(proc.pid)
         say(f"policyd serve pid {proc.pid} at {http_url}; RSS {(rss_before or 0) / 2**20:.0f} MiB")
@@ -241,10 +373,9 @@ def run_bench(
         sub.setsockopt(zmq.SUBSCRIBE, SNAPSHOT_TOPIC)
         sub.connect(ready["snapshots"])
         queue: Any = mp.get_context("spawn").Queue()
+        spec = SenderSpec(shape, seconds, rate / senders if rate is not None else None)
         procs = [
-            mp.get_context("spawn").Process(
-                target=_sender, args=(ready["events"], i, (batch, seconds, rate), queue)
-            )
+            mp.get_context("spawn").Process(target=_sender, args=(ready["events"], i, spec, queue))
             for i in range(senders)
         ]
         before = _get_stats(client)
@@ -252,6 +383,7 @@ def run_bench(
         for p in procs:
             p.start()
         latencies: list[float] = []
+        series: list[dict[str, Any]] = [_sample(0.0, before, proc.pid, os.getloadavg()[0])]
         last = t0
         prev = before
         peak_queue = 0
@@ -261,14 +393,20 @@ def run_bench(
                 snap = SNAPSHOT_CODEC.decode(frames[1])
                 latencies.append(time.monotonic() - snap.ts)
             now = time.monotonic()
-            if now - last >= 5.0:
+            if now - last >= sample_s:
                 st = _get_stats(client)
                 peak_queue = max(peak_queue, st["ingest_queue_frames"])
-                rate_rx = (st["events_received"] - prev["events_received"]) / (now - last)
-                rate_ap = (st["events"] - prev["events"]) / (now - last)
+                point = _sample(now - t0, st, proc.pid, os.getloadavg()[0])
+                series.append(point)
+                rx, ap, _ = (
+                    (a - b) / (now - last)
+                    for a, b in zip(_block_counts(st), _block_counts(prev), strict=True)
+                )
                 say(
-                    f"  {now - t0:6.1f}s: received {rate_rx:,.0f} ev/s, applied {rate_ap:,.0f} "
-                    f"ev/s, shed {st['shed_rate']:.1%}, queue {st['ingest_queue_frames']} frames"
+                    f"  {now - t0:6.1f}s: block events received {rx:,.0f}/s, applied "
+                    f"{ap:,.0f}/s, shed {st['block_shed_rate']:.1%} (cumulative), queue "
+                    f"{st['ingest_queue_frames']} frames, RSS {point['rss_mib']:.0f} MiB, "
+                    f"load {point['load_1m']:.1f}"
                 )
                 prev, last = st, now
         at_end = _get_stats(client)  # what the daemon had taken when the senders stopped
@@ -276,7 +414,7 @@ def run_bench(
         for p in procs:
             p.join()
         # the senders' own sending window (spawned processes take a while to import)
-        window_s = max(s[4] for s in sent) - min(s[3] for s in sent)
+        window_s = max(s[5] for s in sent) - min(s[4] for s in sent)
         # the backlog drains after the senders stop: give it a moment, then read the counters
         drain_deadline = time.monotonic() + 60
         while time.monotonic() < drain_deadline:
@@ -284,13 +422,15 @@ def run_bench(
             if st["ingest_queue_frames"] == 0:
                 break
             time.sleep(0.5)
-        drained_s = time.monotonic() - min(s[3] for s in sent)
+        drained_s = time.monotonic() - min(s[4] for s in sent)
         after = _get_stats(client)
         hist_before = sum(before["history"]["rows_written"].values())
         hist_after = sum(after["history"]["rows_written"].values())
         say(f"measuring decision latency ({decisions} raw + {decisions // 4} httpx requests)")
         decision = _decision_latency(http_url, decisions)
         rss_after = _rss_bytes(proc.pid)
+        series.append(_sample(time.monotonic() - t0, _get_stats(client), proc.pid,
+                              os.getloadavg()[0]))  # fmt: skip
         sub.close()
         ctx.term()
     finally:
@@ -302,27 +442,46 @@ def run_bench(
             proc.kill()
         if tmp is not None:
             tmp.cleanup()
-    sent_events = sum(s[1] for s in sent)
-    received = at_end["events_received"] - before["events_received"]
-    applied = after["events"] - before["events"]
-    shed = after["events_shed"] - before["events_shed"]
+
+    def delta(key: str, end: dict[str, Any] = after) -> int:
+        return int(end[key] - before[key])
+
+    blocks_rx = delta("block_events_received", at_end)
+    blocks_all = delta("block_events_received")
+    blocks_shed = delta("block_events_shed")
+    events_rx = delta("events_received", at_end)
+    loads = [p["load_1m"] for p in series]
     return {
         "seconds": seconds,
-        "batch": batch,
+        "blocks_per_event": shape.blocks_per_event,
+        "events_per_frame": shape.events_per_frame,
+        "blocks_per_request": shape.blocks_per_request,
         "senders": senders,
         "policy": policy,
-        "sent_events": sent_events,
-        "sent_events_per_s": sent_events / window_s,
+        "block_sample_rate": after.get("history_block_sample_rate", block_sample_rate),
         "window_s": window_s,
-        "sender_again": sum(s[2] for s in sent),
-        "received_events_per_s": received / window_s,
-        "applied_events_per_s": applied / drained_s,
-        "shed_events": shed,
-        "shed_rate": shed / received if received else 0.0,
-        "malformed_frames": after["malformed_frames"] - before["malformed_frames"],
+        "drained_s": drained_s,
+        "sent_frames_per_s": sum(s[0] for s in sent) / window_s,
+        "sent_events_per_s": sum(s[1] for s in sent) / window_s,
+        "sent_block_events_per_s": sum(s[2] for s in sent) / window_s,
+        "sender_again": sum(s[3] for s in sent),
+        "received_frames_per_s": delta("frames", at_end) / window_s,
+        "received_events_per_s": events_rx / window_s,
+        "received_block_events_per_s": blocks_rx / window_s,
+        "applied_events_per_s": delta("events") / drained_s,
+        "applied_block_events_per_s": delta("block_events_applied") / drained_s,
+        "requests_per_s": delta("requests") / drained_s,
+        "shed_block_events": blocks_shed,
+        "block_shed_rate": blocks_shed / blocks_all if blocks_all else 0.0,
+        "shed_events": delta("events_shed"),
+        "malformed_frames": delta("malformed_frames"),
+        "seq_gaps": delta("seq_gaps"),
         "peak_queue_frames": peak_queue,
-        "target_events_per_s": TARGET_EVENTS_PER_S,
-        "ratio_to_target": received / window_s / TARGET_EVENTS_PER_S,
+        "target_block_events_per_s": TARGET_BLOCK_EVENTS_PER_S,
+        "received_ratio_to_target": blocks_rx / window_s / TARGET_BLOCK_EVENTS_PER_S,
+        "applied_ratio_to_target": delta("block_events_applied")
+        / drained_s
+        / TARGET_BLOCK_EVENTS_PER_S,
         "history_rows_per_s": (hist_after - hist_before) / drained_s,
         "history_rows_dropped": after["history"]["rows_dropped"],
         "snapshot_latency_p50_ms": (_pct(latencies, 0.5) or 0) * 1000,
@@ -331,44 +490,110 @@ def run_bench(
         "decision": decision,
         "rss_before_mib": (rss_before or 0) / 2**20,
         "rss_after_mib": (rss_after or 0) / 2**20,
+        "rss_series": series,
+        "load_1m_mean": sum(loads) / len(loads),
+        "load_1m_max": max(loads),
         "cpu_count": os.cpu_count(),
+    }
+
+
+def _sample(t_s: float, st: dict[str, Any], pid: int, load_1m: float) -> dict[str, Any]:
+    """One point of the series: time, the daemon's RSS and counters, the machine's load."""
+    return {
+        "t_s": round(t_s, 2),
+        "rss_mib": (_rss_bytes(pid) or 0) / 2**20,
+        "block_events_received": st["block_events_received"],
+        "block_events_applied": st["block_events_applied"],
+        "block_events_shed": st["block_events_shed"],
+        "ingest_queue_frames": st["ingest_queue_frames"],
+        "history_queue_rows": st["history"]["queue_rows"],
+        "history_db_bytes": st["history"]["db_bytes"],
+        "load_1m": load_1m,
     }
 
 
 def render(r: dict[str, Any]) -> str:
     d = r["decision"]
+    target = r["target_block_events_per_s"]
     return "\n".join([
-        f"ingest ({r['senders']} sender(s), batches of {r['batch']}, {r['seconds']:.0f} s, "
-        f"policy {r['policy']}, {r['cpu_count']} CPUs):",
-        f"  offered {r['sent_events_per_s']:,.0f} events/s over {r['window_s']:.0f} s; received "
-        f"{r['received_events_per_s']:,.0f} events/s "
-        f"({r['ratio_to_target']:.2f}x the {r['target_events_per_s']:,} target); applied to "
-        f"the Engine {r['applied_events_per_s']:,.0f} events/s; shed {r['shed_rate']:.1%} "
-        f"({r['shed_events']:,} block events); sender retries (HWM) {r['sender_again']:,}",
-        f"  history rows written {r['history_rows_per_s']:,.0f} rows/s "
-        f"(dropped {r['history_rows_dropped']:,})",
+        f"ingest ({r['senders']} sender(s), {r['blocks_per_event']} block hashes per block "
+        f"event, {r['events_per_frame']} block-level events per frame, a request per "
+        f"{r['blocks_per_request']} block events, {r['seconds']:.0f} s, policy {r['policy']}, "
+        f"{r['cpu_count']} CPUs, load average {r['load_1m_mean']:.1f} mean / "
+        f"{r['load_1m_max']:.1f} max):",
+        f"  offered {r['sent_block_events_per_s']:,.0f} block events/s "
+        f"({r['sent_events_per_s']:,.0f} events/s, {r['sent_frames_per_s']:,.0f} frames/s) "
+        f"over {r['window_s']:.0f} s; sender retries at the high-water mark "
+        f"{r['sender_again']:,} (never blocked)",
+        f"  received {r['received_block_events_per_s']:,.0f} block events/s "
+        f"({r['received_ratio_to_target']:.2f}x the {target:,} target; "
+        f"{r['received_events_per_s']:,.0f} events/s, {r['received_frames_per_s']:,.0f} frames/s)",
+        f"  applied to the Engine {r['applied_block_events_per_s']:,.0f} block events/s "
+        f"({r['applied_ratio_to_target']:.2f}x the target; {r['applied_events_per_s']:,.0f} "
+        f"events/s, {r['requests_per_s']:,.0f} requests/s); shed {r['block_shed_rate']:.1%} of "
+        f"block events ({r['shed_block_events']:,}); seq gaps {r['seq_gaps']}",
+        f"  history rows written {r['history_rows_per_s']:,.0f} rows/s (block rows sampled at "
+        f"{r['block_sample_rate']}; dropped {r['history_rows_dropped']:,})",
         f"  snapshot publish->receive p50 {r['snapshot_latency_p50_ms']:.2f} ms, p99 "
         f"{r['snapshot_latency_p99_ms']:.2f} ms ({r['snapshots_received']} snapshots)",
         f"  POST /api/decide/evict raw keep-alive p50 {d['raw_p50_ms']:.2f} ms, p99 "
         f"{d['raw_p99_ms']:.2f} ms; httpx p50 {d['httpx_p50_ms']:.2f} ms, p99 "
         f"{d['httpx_p99_ms']:.2f} ms",
-        f"  daemon RSS {r['rss_before_mib']:.0f} MiB before, {r['rss_after_mib']:.0f} MiB after",
+        f"  daemon RSS {r['rss_before_mib']:.0f} MiB before, {r['rss_after_mib']:.0f} MiB after "
+        f"({len(r['rss_series'])} samples, max {max(p['rss_mib'] for p in r['rss_series']):.0f}"
+        " MiB)",
     ])  # fmt: skip
 
 
+def plot_rss(r: dict[str, Any], path: Path) -> None:
+    """The daemon's RSS and the applied block-event rate over the run, as a PNG."""
+    series = r["rss_series"]
+    t = [p["t_s"] for p in series]
+    fig = Figure(figsize=(8, 5.5))
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    top.plot(t, [p["rss_mib"] for p in series], marker=".", color="tab:blue")
+    top.set_ylabel("daemon RSS (MiB)")
+    top.set_ylim(bottom=0)
+    top.grid(alpha=0.3)
+    rates = [0.0] + [
+        (b["block_events_applied"] - a["block_events_applied"]) / max(1e-9, b["t_s"] - a["t_s"])
+        for a, b in pairwise(series)
+    ]
+    bottom.plot(t, [x / 1000 for x in rates], color="tab:green", label="applied")
+    bottom.set_ylabel("block events/s (thousands)")
+    bottom.set_xlabel("seconds since the senders started")
+    bottom.grid(alpha=0.3)
+    fig.suptitle(
+        f"policyd bench-ingest --seconds {r['seconds']:.0f}: {r['blocks_per_event']} hashes per "
+        f"event, policy {r['policy']}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def bench_main(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    shape = StreamShape(
+        blocks_per_event=args.blocks_per_event,
+        events_per_frame=args.batch,
+        blocks_per_request=args.blocks_per_request,
+    )
     result = run_bench(
         seconds=args.seconds,
-        batch=args.batch,
+        shape=shape,
         senders=args.senders,
         rate=args.rate,
         db=args.db,
         policy=args.policy,
+        block_sample_rate=args.block_sample_rate,
+        sample_s=args.sample_s,
     )
     print(render(result))
     command = "policyd " + " ".join(shlex.quote(a) for a in argv)
     print(f"reproduce: {command}")
+    result["command"] = command
     if args.json:
-        result["command"] = command
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if args.plot:
+        plot_rss(result, Path(args.plot))
+        print(f"RSS plot: {args.plot}")
     return 0

@@ -10,8 +10,9 @@ worker. Overload is handled here, before the Engine:
 * request-level events (RequestStarted, PrefixHit, RequestFinished, WorkflowFinished,
   AllBlocksCleared) are never shed, and every batch is queued (if only for its sequence
   number), so the queue's memory is bounded by ``max_frames`` batches of request-level events;
-* the keep decision is by block hash (a hash threshold, as SHARDS samples), so at a given rate a
-  block's Stored and Removed events are kept or shed together.
+* the keep decision is per block hash (a hash threshold, as SHARDS samples), so at a given rate a
+  block's Stored and Removed events are kept or shed together, however the sender grouped its
+  hashes into events; an event of 16 hashes is 16 block events, counted and shed per hash.
 
 While shedding, the Engine's view of residency is a sample; the stats say how much was shed.
 """
@@ -58,23 +59,57 @@ def keep_rate(depth: int, shed_above: int, max_frames: int) -> float:
     return max(0.0, 1.0 - (depth - shed_above) / max(1, max_frames - shed_above))
 
 
-def shed(batch: EventBatch, rate: float) -> tuple[EventBatch, int]:
-    """The batch with block-level events sampled at ``rate`` (by their first block hash), and
-    how many events were shed. Request-level events always stay."""
+@dataclass(frozen=True, slots=True)
+class Shed:
+    """A batch after sampling, and what sampling took out of it."""
+
+    batch: EventBatch
+    events: int  # block-level events dropped whole (none of their hashes kept)
+    block_events: int  # block hashes dropped (one block event per hash)
+
+
+def shed(batch: EventBatch, rate: float) -> Shed:
+    """The batch with block-level events sampled at ``rate`` block by block: a hash is kept
+    when ``hash * golden mod 2^64 < rate * 2^64``, so at one rate a block's Stored, Removed and
+    Loaded events are kept or shed together however the sender grouped its hashes into events;
+    an event keeps the hashes that pass and is dropped when none does. Request-level events
+    always stay."""
     if rate >= 1.0:
-        return batch, 0
+        return Shed(batch, 0, 0)
     threshold = int(rate * 2.0**64)
     kept: list[Event] = []
+    dropped_events = dropped_blocks = 0
     for event in batch.events:
         if type(event) in BLOCK_LEVEL:
             hashes = event.block_hashes  # type: ignore[union-attr]
-            if not hashes or ((hashes[0] * _GOLDEN) & _MASK) >= threshold:
+            keep = tuple(h for h in hashes if ((h * _GOLDEN) & _MASK) < threshold)
+            if len(keep) < len(hashes):
+                dropped_blocks += len(hashes) - len(keep)
+                if not keep:
+                    dropped_events += 1
+                    continue
+                kept.append(msgspec.structs.replace(event, block_hashes=keep))
                 continue
         kept.append(event)
-    dropped = len(batch.events) - len(kept)
-    if not dropped:
-        return batch, 0
-    return EventBatch(source=batch.source, seq=batch.seq, events=tuple(kept)), dropped
+    if not dropped_blocks:
+        return Shed(batch, 0, 0)
+    return Shed(
+        EventBatch(source=batch.source, seq=batch.seq, events=tuple(kept)),
+        dropped_events,
+        dropped_blocks,
+    )
+
+
+def block_events(batch: EventBatch) -> int:
+    """Block events a batch stands for: one per hash named by a block-level event (a
+    ``BlocksStored`` of a request's 16 new blocks is 16 block events).
+
+    >>> from policyd.types import BlocksStored as S, WorkflowFinished as W
+    >>> block_events(EventBatch("s", 1, (S(ts=0.0, tier="gpu", block_hashes=(1, 2, 3)),
+    ...                                 W(ts=0.0, workflow_id="w"))))
+    3
+    """
+    return sum([len(e.block_hashes) for e in batch.events if isinstance(e, BLOCK_LEVEL)])
 
 
 def coalesce(batch: EventBatch) -> EventBatch:
@@ -125,7 +160,9 @@ class IngestCounters:
     frames: int = 0
     malformed_frames: int = 0
     events_received: int = 0
-    events_shed: int = 0
+    events_shed: int = 0  # block-level events dropped whole
+    block_events_received: int = 0  # hashes named by block-level events received
+    block_events_shed: int = 0  # of them, sampled away
     last_malformed: str = ""
 
 
@@ -134,6 +171,7 @@ class Received:
     batch: EventBatch
     received_ts: float  # wall clock, for the history
     events: int  # events it stands for (after shedding, before coalescing)
+    block_events: int  # block events it stands for (after shedding)
 
 
 class IngestQueue:
@@ -153,14 +191,20 @@ class IngestQueue:
         """Queue a decoded batch, shedding block-level events under load (never blocks)."""
         c = self.counters
         c.events_received += len(batch.events)
+        blocks = block_events(batch)
+        c.block_events_received += blocks
         rate = keep_rate(len(self._items), self.shed_above, self.max_frames)
-        batch, dropped = shed(batch, rate)
-        c.events_shed += dropped
+        if rate < 1.0 and blocks:
+            cut = shed(batch, rate)
+            batch = cut.batch
+            c.events_shed += cut.events
+            c.block_events_shed += cut.block_events
+            blocks -= cut.block_events
         n = len(batch.events)
         batch = coalesce(batch)
         # a batch shed to nothing is still queued: the Engine must see its seq (no false gap)
         with self._cond:
-            self._items.append(Received(batch, received_ts, n))
+            self._items.append(Received(batch, received_ts, n, blocks))
             self._cond.notify()
 
     def take(self, max_items: int, timeout_s: float) -> list[Received]:

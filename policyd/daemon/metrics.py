@@ -28,7 +28,10 @@ class _StatsCollector(Collector):
         counters = {
             "events": "Events applied to the Engine.",
             "events_received": "Events in decoded frames (applied or shed).",
-            "events_shed": "Block-level events sampled away under overload.",
+            "events_shed": "Block-level events sampled away whole (no hash kept) under overload.",
+            "block_events_received": "Block events received (hashes named by block-level events).",
+            "block_events_applied": "Block events applied to the Engine (after shedding).",
+            "block_events_shed": "Block events sampled away under overload (per block hash).",
             "frames": "Event frames received.",
             "malformed_frames": "Event frames rejected as malformed.",
             "seq_gaps": "Batch sequence gaps over all sources.",
@@ -61,7 +64,8 @@ class _StatsCollector(Collector):
         gauges = {
             "ingest_queue_frames": "Batches waiting for the engine worker.",
             "workflows_active": "Workflows not finished.",
-            "shed_rate": "Share of received events shed (cumulative).",
+            "shed_rate": "Share of received events shed whole (cumulative).",
+            "block_shed_rate": "Share of received block events shed (cumulative).",
             "uptime_s": "Seconds since the daemon started.",
         }
         for key, text in gauges.items():

@@ -381,6 +381,7 @@ class Service:
             with self.lock:  # per batch: HTTP decisions wait at most one batch
                 self.engine.apply(item.batch)
                 self.counts["events"] += item.events
+                self.counts["block_events"] += item.block_events
             if item.batch.events:
                 self.history.record_batch(item.batch, received_ts=item.received_ts)
 

@@ -65,6 +65,7 @@ def stats(service: Service) -> dict[str, Any]:
 
     gpu, host = c.get("gpu_hit_blocks", 0), c.get("host_hit_blocks", 0)
     received = ic.events_received
+    blocks_received = ic.block_events_received
     out: dict[str, Any] = {
         "uptime_s": service.clock() - service.started_s,
         "policy": policy,
@@ -75,6 +76,10 @@ def stats(service: Service) -> dict[str, Any]:
         "last_malformed": ic.last_malformed or None,
         "events_shed": ic.events_shed,
         "shed_rate": ic.events_shed / received if received else 0.0,
+        "block_events_received": blocks_received,
+        "block_events_applied": c.get("block_events", 0),
+        "block_events_shed": ic.block_events_shed,
+        "block_shed_rate": ic.block_events_shed / blocks_received if blocks_received else 0.0,
         "ingest_queue_frames": len(service.queue),
         "workflows_active": workflows_active,
         "requests": c.get("requests", 0),

@@ -1,0 +1,136 @@
+"""Block events as the daemon counts and sheds them, and the bench's frame stream: an event of
+N hashes is N block events, received, shed per hash (consistently however the hashes were
+grouped) and applied; the pre-encoded frames decode to valid, sequenced batches whose removals
+name blocks stored before, with bounded residency."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from policyd.daemon import views
+from policyd.daemon.ingest import IngestQueue, block_events, shed
+from policyd.daemon.service import Service
+from policyd.daemon.settings import DaemonSettings
+from policyd.ingest_bench import RESIDENT_WINDOW_BLOCKS, FrameSource, StreamShape
+from policyd.types import (
+    BATCH_CODEC,
+    BlocksLoaded,
+    BlocksRemoved,
+    BlocksStored,
+    Event,
+    EventBatch,
+    RequestFinished,
+    RequestStarted,
+    WorkflowFinished,
+)
+
+
+def stored(hashes: Sequence[int]) -> BlocksStored:
+    return BlocksStored(ts=0.0, tier="gpu", block_hashes=tuple(hashes))
+
+
+def kept_hashes(batch: EventBatch, kind: type) -> set[int]:
+    return {h for e in batch.events if type(e) is kind for h in e.block_hashes}  # type: ignore[union-attr]
+
+
+def test_a_multi_hash_event_is_as_many_block_events() -> None:
+    events: tuple[Event, ...] = (
+        stored(range(16)),
+        BlocksRemoved(ts=0.0, tier="host", block_hashes=(1, 2, 3)),
+        BlocksLoaded(ts=0.0, block_hashes=(4,)),
+        RequestStarted(ts=0.0, request_id="r", workflow_id="w", agent="a", block_hashes=(9, 9)),
+        WorkflowFinished(ts=0.0, workflow_id="w"),
+    )
+    assert block_events(EventBatch("s", 1, events)) == 16 + 3 + 1  # a prompt is no block event
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
+def test_shedding_is_per_block_whatever_the_grouping(rate: float) -> None:
+    hashes = [(i * 7919) ** 2 + i for i in range(4096)]
+    singles = EventBatch("s", 1, tuple(stored((h,)) for h in hashes))
+    groups = EventBatch("s", 1, tuple(stored(hashes[i : i + 16]) for i in range(0, 4096, 16)))
+    removals = EventBatch(
+        "s", 2, tuple(BlocksRemoved(ts=0.0, tier="gpu", block_hashes=tuple(hashes[i : i + 5]))
+                      for i in range(0, 4096, 5))
+    )  # fmt: skip
+    cuts = [shed(b, rate) for b in (singles, groups, removals)]
+    kinds = (BlocksStored, BlocksStored, BlocksRemoved)
+    kept = [kept_hashes(c.batch, k) for c, k in zip(cuts, kinds, strict=True)]
+    # the same blocks survive in every grouping: a kept block's store and removal both arrive
+    assert kept[0] == kept[1] == kept[2]
+    assert 0.6 * rate * 4096 < len(kept[0]) < 1.4 * rate * 4096
+    for cut in cuts:
+        assert cut.block_events == 4096 - len(kept[0])  # counted per hash
+        assert block_events(cut.batch) == len(kept[0])
+    # an event is dropped whole only when none of its hashes is kept
+    assert cuts[1].events == sum(1 for i in range(0, 4096, 16)
+                                 if not kept[0] & set(hashes[i : i + 16]))  # fmt: skip
+
+
+def test_the_queue_counts_block_events_received_and_shed() -> None:
+    queue = IngestQueue(max_frames=8, shed_above=2)
+    for seq in range(1, 13):  # nobody drains: the queue goes past both bounds
+        batch = EventBatch("s", seq, (stored(range(seq * 100, seq * 100 + 16)),
+                                      RequestFinished(ts=0.0, request_id=f"r{seq}")))  # fmt: skip
+        queue.offer(batch, received_ts=0.0)
+    c = queue.counters
+    assert c.events_received == 12 * 2 and c.block_events_received == 12 * 16
+    items = queue.take(100, 0.0)
+    assert c.block_events_shed > 0
+    assert sum(it.block_events for it in items) == c.block_events_received - c.block_events_shed
+    assert sum(block_events(it.batch) for it in items) == sum(it.block_events for it in items)
+
+
+def test_block_events_reach_the_engine_and_the_stats(tmp_path: Path) -> None:
+    settings = DaemonSettings.load(
+        {"db": tmp_path / "h.duckdb", "events": "tcp://127.0.0.1:*",
+         "snapshots": "tcp://127.0.0.1:*", "http_port": 0, "policy": "lru"}
+    )  # fmt: skip
+    service = Service(settings)
+    service.queue.offer(EventBatch("s", 1, (stored(range(16)), stored(range(16, 20)))), 0.0)
+    service._drain_queue()  # the engine worker's step, on this thread
+    stats = views.stats(service)
+    assert stats["block_events_received"] == stats["block_events_applied"] == 20
+    assert stats["block_events_shed"] == 0 and stats["block_shed_rate"] == 0.0
+    assert service.engine.state.resident["gpu"] == set(range(20))
+    metrics = service.metrics.render().decode()
+    assert "policyd_block_events_applied_total 20.0" in metrics
+    service.history.close()
+
+
+@pytest.mark.parametrize("blocks_per_event", [1, 16, 64])
+def test_bench_frames_are_valid_sequenced_and_keep_residency_bounded(
+    blocks_per_event: int,
+) -> None:
+    shape = StreamShape(blocks_per_event=blocks_per_event, events_per_frame=64)
+    source = FrameSource(shape, sender=3)
+    resident: set[int] = set()
+    bad_removals = blocks = requests = 0
+    frames = 3 * len(source.ring) + 1  # wraps the ring: hashes come round again
+    for seq in range(1, frames + 1):
+        frame, n_events, n_blocks = source.next()
+        batch = BATCH_CODEC.decode(frame)  # the daemon's own decoder accepts it
+        assert (batch.source, batch.seq, len(batch.events)) == ("bench-3", seq, n_events)
+        assert block_events(batch) == n_blocks == 64 * blocks_per_event
+        for e in batch.events:
+            if isinstance(e, BlocksStored):
+                assert len(e.block_hashes) == blocks_per_event
+                assert resident.isdisjoint(e.block_hashes)  # stored while not resident: no
+                resident.update(e.block_hashes)
+            elif isinstance(e, BlocksRemoved):
+                bad_removals += not resident.issuperset(e.block_hashes)
+                resident.difference_update(e.block_hashes)
+            requests += isinstance(e, RequestStarted)
+        blocks += n_blocks
+        assert len(resident) <= RESIDENT_WINDOW_BLOCKS + 16 + blocks_per_event
+    # only the first window's removals name blocks not stored yet
+    assert bad_removals * blocks_per_event <= RESIDENT_WINDOW_BLOCKS
+    assert requests == blocks // shape.blocks_per_request
+
+
+def test_a_bad_stream_shape_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="blocks_per_event must be >= 1"):
+        StreamShape(blocks_per_event=0)
