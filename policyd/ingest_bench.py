@@ -395,7 +395,7 @@ def run_bench(
             now = time.monotonic()
             if now - last >= sample_s:
                 st = _get_stats(client)
-                peak_queue = max(peak_queue, st["ingest_queue_frames"])
+                peak_queue = max(peak_queue, st["ingest_queue_depth"])
                 point = _sample(now - t0, st, proc.pid, os.getloadavg()[0])
                 series.append(point)
                 rx, ap, _ = (
@@ -405,8 +405,8 @@ def run_bench(
                 say(
                     f"  {now - t0:6.1f}s: block events received {rx:,.0f}/s, applied "
                     f"{ap:,.0f}/s, shed {st['block_shed_rate']:.1%} (cumulative), queue "
-                    f"{st['ingest_queue_frames']} frames, RSS {point['rss_mib']:.0f} MiB, "
-                    f"load {point['load_1m']:.1f}"
+                    f"{st['ingest_queue_depth']} (256-event frames), "
+                    f"RSS {point['rss_mib']:.0f} MiB, load {point['load_1m']:.1f}"
                 )
                 prev, last = st, now
         at_end = _get_stats(client)  # what the daemon had taken when the senders stopped
@@ -506,6 +506,7 @@ def _sample(t_s: float, st: dict[str, Any], pid: int, load_1m: float) -> dict[st
         "block_events_applied": st["block_events_applied"],
         "block_events_shed": st["block_events_shed"],
         "ingest_queue_frames": st["ingest_queue_frames"],
+        "ingest_queue_depth": st["ingest_queue_depth"],
         "history_queue_rows": st["history"]["queue_rows"],
         "history_db_bytes": st["history"]["db_bytes"],
         "load_1m": load_1m,

@@ -134,3 +134,31 @@ def test_bench_frames_are_valid_sequenced_and_keep_residency_bounded(
 def test_a_bad_stream_shape_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="blocks_per_event must be >= 1"):
         StreamShape(blocks_per_event=0)
+
+
+def test_shedding_agrees_with_the_hash_rule_outside_uint64_too() -> None:
+    golden, mask = 0x9E3779B97F4A7C15, (1 << 64) - 1
+    rate = 0.5
+    threshold = int(rate * 2.0**64)
+    inside = [i * 0x1234567 for i in range(1, 500)]
+    for hashes in (inside, [*inside, -5]):  # a negative hash takes the pure-Python path
+        cut = shed(EventBatch("s", 1, (stored(hashes),)), rate)
+        expected = {h for h in hashes if ((h * golden) & mask) < threshold}
+        assert kept_hashes(cut.batch, BlocksStored) == expected
+
+
+def test_the_queue_depth_weighs_a_frame_by_its_block_events() -> None:
+    queue = IngestQueue(max_frames=64, shed_above=16)
+    big = EventBatch("s", 1, tuple(stored(range(i * 16, i * 16 + 16)) for i in range(256)))
+    queue.offer(big, 0.0)  # 4,096 block events: 16 frames' worth
+    assert len(queue) == 1 and queue.depth == 16
+    queue.offer(EventBatch("s", 2, tuple(stored(range(10**6 + i * 16, 10**6 + i * 16 + 16))
+                                         for i in range(256))), 0.0)  # fmt: skip
+    assert queue.counters.block_events_shed == 0  # at depth 16: not above shed_above yet
+    for seq in range(3, 6):  # now above: the next frames are sampled
+        queue.offer(EventBatch("s", seq, big.events), 0.0)
+    assert queue.counters.block_events_shed > 0
+    first = queue.take(16, 0.0)  # a weight budget: one 16-weight frame
+    assert [it.batch.seq for it in first] == [1]
+    rest = queue.take(1000, 0.0)
+    assert [it.batch.seq for it in rest] == [2, 3, 4, 5] and queue.depth == 0

@@ -63,6 +63,7 @@ class _StatsCollector(Collector):
         yield decisions
         gauges = {
             "ingest_queue_frames": "Batches waiting for the engine worker.",
+            "ingest_queue_depth": "Queue depth in frames of up to 256 events or block events.",
             "workflows_active": "Workflows not finished.",
             "shed_rate": "Share of received events shed whole (cumulative).",
             "block_shed_rate": "Share of received block events shed (cumulative).",

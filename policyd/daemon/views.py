@@ -81,6 +81,7 @@ def stats(service: Service) -> dict[str, Any]:
         "block_events_shed": ic.block_events_shed,
         "block_shed_rate": ic.block_events_shed / blocks_received if blocks_received else 0.0,
         "ingest_queue_frames": len(service.queue),
+        "ingest_queue_depth": service.queue.depth,
         "workflows_active": workflows_active,
         "requests": c.get("requests", 0),
         "prompt_blocks": prompt,

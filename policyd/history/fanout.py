@@ -63,11 +63,15 @@ def hashes_u64(hashes: Sequence[int]) -> np.ndarray:
 
 @dataclass
 class _BlockChunk:
+    """Block rows of consecutive events of one batch: event ``i`` contributes ``counts[i]``
+    rows (its kept hashes, in order, within ``hashes``) with its kind, tier and request."""
+
     ts: float
-    kind: str
-    tier: str | None
+    kinds: list[str]
+    tiers: list[str | None]
+    request_ids: list[str | None]
+    counts: np.ndarray  # int64, one per event
     hashes: np.ndarray  # uint64, already sampled
-    request_id: str | None
 
 
 @dataclass
@@ -97,21 +101,22 @@ class Pending:
         chunks = [c for c in self.blocks if len(c.hashes)]
         if not chunks:
             return None
-        counts = np.array([len(c.hashes) for c in chunks])
-        # one entry per chunk, repeated per block in C: dictionary-encode, then decode
-        indices = pa.array(np.repeat(np.arange(len(chunks), dtype=np.int32), counts))
+        counts = np.concatenate([c.counts for c in chunks])
+        # one entry per event, repeated per block in C: dictionary-encode, then decode
+        indices = pa.array(np.repeat(np.arange(len(counts), dtype=np.int32), counts))
 
         def repeat(values: list[str | None]) -> pa.Array:
             dictionary = pa.array(values, type=pa.string())
             return pa.DictionaryArray.from_arrays(indices, dictionary).dictionary_decode()
 
+        ts = np.concatenate([np.full(len(c.counts), c.ts, dtype=np.float64) for c in chunks])
         return pa.table(
             {
-                "ts": np.repeat(np.array([c.ts for c in chunks], dtype=np.float64), counts),
-                "kind": repeat([c.kind for c in chunks]),
-                "tier": repeat([c.tier for c in chunks]),
+                "ts": np.repeat(ts, counts),
+                "kind": repeat([k for c in chunks for k in c.kinds]),
+                "tier": repeat([t for c in chunks for t in c.tiers]),
                 "block_hash": np.concatenate([c.hashes for c in chunks]).view(np.int64),
-                "request_id": repeat([c.request_id for c in chunks]),
+                "request_id": repeat([r for c in chunks for r in c.request_ids]),
             },
             schema=ARROW_SCHEMAS["block_accesses"],
         )
@@ -125,10 +130,41 @@ class FanOut:
     recent_prompts: OrderedDict[str, np.ndarray] = field(default_factory=OrderedDict)
 
     def add(self, pending: Pending, batch: EventBatch, received_ts: float) -> None:
+        """Fan a batch out. Runs of block-level events are sampled together (one hash
+        conversion and one mask per run, not per event: an event's numpy calls cost more than
+        its 16 hashes); rows keep the batch's event order."""
+        run: list[_Access] = []
         for event in batch.events:
+            access = _block_access(event)
+            if access is not None:
+                run.append(access)
+                continue
+            if run:
+                self._block_run(pending, received_ts, run)
+                run = []
             handler = _HANDLERS.get(type(event))
             if handler is not None:
                 handler(self, pending, event, batch.source, received_ts)
+        if run:
+            self._block_run(pending, received_ts, run)
+
+    def _block_run(self, pending: Pending, ts: float, run: list[_Access]) -> None:
+        hashes = hashes_u64([h for a in run for h in a[3]])
+        lengths = np.fromiter((len(a[3]) for a in run), dtype=np.int64, count=len(run))
+        if self.block_sample_rate >= 1.0:
+            kept, counts = hashes, lengths
+        else:
+            mask = block_keep_mask(hashes, self.block_sample_rate)
+            kept = hashes[mask]
+            ends = np.cumsum(lengths)
+            kept_before = np.concatenate(([0], np.cumsum(mask, dtype=np.int64)))
+            counts = kept_before[ends] - kept_before[ends - lengths]
+        if len(kept):
+            pending.blocks.append(
+                _BlockChunk(ts, [a[0] for a in run], [a[1] for a in run],
+                            [a[2] for a in run], counts, kept)
+            )  # fmt: skip
+            pending.rows += len(kept)
 
     def _blocks(
         self,
@@ -142,7 +178,8 @@ class FanOut:
     ) -> None:
         kept = hashes[block_keep_mask(hashes, self.block_sample_rate)]
         if len(kept):
-            pending.blocks.append(_BlockChunk(ts, kind, tier, kept, request_id))
+            counts = np.array([len(kept)], dtype=np.int64)
+            pending.blocks.append(_BlockChunk(ts, [kind], [tier], [request_id], counts, kept))
             pending.rows += len(kept)
 
     def _started(self, pending: Pending, e: Event, source: str, ts: float) -> None:
@@ -198,50 +235,32 @@ class FanOut:
         pending.update_request(e.request_id, {"finished_ts": ts, "output_tokens": e.output_tokens})
         self.recent_prompts.pop(e.request_id, None)
 
-    def _stored(self, pending: Pending, e: Event, source: str, ts: float) -> None:
+
+# (kind, tier, request_id, hashes) of a block-level event's rows
+_Access = tuple[str, str | None, str | None, tuple[int, ...]]
+
+
+def _block_access(e: Event) -> _Access | None:
+    kind = type(e)
+    if kind is BlocksStored:
         assert isinstance(e, BlocksStored)
-        self._blocks(
-            pending,
-            ts,
-            kind="stored",
-            tier=e.tier,
-            hashes=hashes_u64(e.block_hashes),
-            request_id=e.request_id,
-        )
-
-    def _removed(self, pending: Pending, e: Event, source: str, ts: float) -> None:
+        return ("stored", e.tier, e.request_id, e.block_hashes)
+    if kind is BlocksRemoved:
         assert isinstance(e, BlocksRemoved)
-        self._blocks(
-            pending,
-            ts,
-            kind="removed",
-            tier=e.tier,
-            hashes=hashes_u64(e.block_hashes),
-            request_id=None,
-        )
-
-    def _loaded(self, pending: Pending, e: Event, source: str, ts: float) -> None:
-        # host -> GPU: the row names the tier that served the blocks
+        return ("removed", e.tier, None, e.block_hashes)
+    if kind is BlocksLoaded:  # host -> GPU: the row names the tier that served the blocks
         assert isinstance(e, BlocksLoaded)
-        self._blocks(
-            pending,
-            ts,
-            kind="loaded",
-            tier="host",
-            hashes=hashes_u64(e.block_hashes),
-            request_id=e.request_id,
-        )
+        return ("loaded", "host", e.request_id, e.block_hashes)
+    return None
 
 
 _Handler = Callable[[FanOut, Pending, Event, str, float], None]
-# AllBlocksCleared and WorkflowFinished have no table: the daemon records what they cause
+# block-level events go through _block_access (sampled per run); AllBlocksCleared and
+# WorkflowFinished have no table: the daemon records what they cause
 _HANDLERS: Final[dict[type, _Handler]] = {
     RequestStarted: FanOut._started,
     PrefixHit: FanOut._hit,
     RequestFinished: FanOut._finished,
-    BlocksStored: FanOut._stored,
-    BlocksRemoved: FanOut._removed,
-    BlocksLoaded: FanOut._loaded,
 }
 
 
