@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from policyd.daemon import views
-from policyd.daemon.ingest import IngestQueue, block_events, shed
+from policyd.daemon.ingest import HARD_BOUND_FACTOR, IngestQueue, block_events, shed
 from policyd.daemon.service import Service
 from policyd.daemon.settings import DaemonSettings
 from policyd.ingest_bench import RESIDENT_WINDOW_BLOCKS, FrameSource, StreamShape
@@ -162,3 +162,17 @@ def test_the_queue_depth_weighs_a_frame_by_its_block_events() -> None:
     assert [it.batch.seq for it in first] == [1]
     rest = queue.take(1000, 0.0)
     assert [it.batch.seq for it in rest] == [2, 3, 4, 5] and queue.depth == 0
+
+
+def test_past_the_hard_bound_frames_are_dropped_whole_and_counted() -> None:
+    queue = IngestQueue(max_frames=4, shed_above=1)
+    for seq in range(1, 31):  # request-level events alone: shedding cannot relieve the queue
+        events = (RequestFinished(ts=0.0, request_id=f"r{seq}"), stored((seq,)))
+        queue.offer(EventBatch("s", seq, events), 0.0)
+    c = queue.counters
+    assert queue.depth == len(queue) == HARD_BOUND_FACTOR * 4  # bounded
+    assert c.frames_dropped == 30 - len(queue) and c.events_dropped == 2 * c.frames_dropped
+    assert c.block_events_shed >= c.frames_dropped  # a dropped frame's block event is shed
+    kept = queue.take(100, 0.0)
+    assert sum(block_events(it.batch) for it in kept) == 30 - c.block_events_shed
+    assert [it.batch.seq for it in kept] == list(range(1, len(kept) + 1))  # the gap is real

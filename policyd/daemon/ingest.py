@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 BLOCK_LEVEL: Final = (BlocksStored, BlocksRemoved, BlocksLoaded)
 _MASK: Final = (1 << 64) - 1
+HARD_BOUND_FACTOR: Final = 2  # frames are dropped whole past this many times max_frames
 _GOLDEN: Final = 0x9E3779B97F4A7C15
 
 
@@ -79,6 +80,16 @@ def shed(batch: EventBatch, rate: float) -> Shed:
     always stay."""
     if rate >= 1.0:
         return Shed(batch, 0, 0)
+    if rate <= 0.0:  # everything block-level goes: no hashing (the cheapest path, at the bound)
+        rest = tuple(e for e in batch.events if not isinstance(e, BLOCK_LEVEL))
+        dropped = [e for e in batch.events if isinstance(e, BLOCK_LEVEL)]
+        if not dropped:
+            return Shed(batch, 0, 0)
+        return Shed(
+            EventBatch(source=batch.source, seq=batch.seq, events=rest),
+            len(dropped),
+            sum([len(e.block_hashes) for e in dropped]),
+        )
     threshold = int(rate * 2.0**64)
     keep = _keep_flags([e for e in batch.events if isinstance(e, BLOCK_LEVEL)], threshold)
     kept: list[Event] = []
@@ -124,6 +135,10 @@ def _keep_flags(events: list[_BlockEvent], threshold: int) -> list[bool]:
     mixed = hashes * np.uint64(_GOLDEN)  # wraps modulo 2^64, as the mask above
     flags: list[bool] = (mixed < np.uint64(threshold)).tolist()
     return flags
+
+
+def _block_level(batch: EventBatch) -> int:
+    return sum([isinstance(e, BLOCK_LEVEL) for e in batch.events])
 
 
 def block_events(batch: EventBatch) -> int:
@@ -187,6 +202,8 @@ class IngestCounters:
     malformed_frames: int = 0
     events_received: int = 0
     events_shed: int = 0  # block-level events dropped whole
+    frames_dropped: int = 0  # whole frames dropped past the hard bound (request events too)
+    events_dropped: int = 0  # events in those frames
     block_events_received: int = 0  # hashes named by block-level events received
     block_events_shed: int = 0  # of them, sampled away
     last_malformed: str = ""
@@ -228,11 +245,20 @@ class IngestQueue:
         return len(self._items)
 
     def offer(self, batch: EventBatch, received_ts: float) -> None:
-        """Queue a decoded batch, shedding block-level events under load (never blocks)."""
+        """Queue a decoded batch, shedding block-level events under load (never blocks).
+        Past ``HARD_BOUND_FACTOR x max_frames`` of depth - block events are all shed long
+        before, so request-level events alone outrun the Engine - the frame is dropped whole
+        and counted: memory stays bounded, and the Engine counts the sequence gap."""
         c = self.counters
         c.events_received += len(batch.events)
         blocks = block_events(batch)
         c.block_events_received += blocks
+        if self.depth >= HARD_BOUND_FACTOR * self.max_frames:
+            c.frames_dropped += 1
+            c.events_dropped += len(batch.events)
+            c.events_shed += _block_level(batch)
+            c.block_events_shed += blocks
+            return
         rate = keep_rate(self.depth, self.shed_above, self.max_frames)
         if rate < 1.0 and blocks:
             cut = shed(batch, rate)

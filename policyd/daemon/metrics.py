@@ -33,6 +33,8 @@ class _StatsCollector(Collector):
             "block_events_applied": "Block events applied to the Engine (after shedding).",
             "block_events_shed": "Block events sampled away under overload (per block hash).",
             "frames": "Event frames received.",
+            "frames_dropped": "Frames dropped whole past the queue's hard bound.",
+            "events_dropped": "Events in frames dropped whole (request-level ones included).",
             "malformed_frames": "Event frames rejected as malformed.",
             "seq_gaps": "Batch sequence gaps over all sources.",
             "requests": "Requests started.",

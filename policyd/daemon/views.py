@@ -80,6 +80,8 @@ def stats(service: Service) -> dict[str, Any]:
         "block_events_applied": c.get("block_events", 0),
         "block_events_shed": ic.block_events_shed,
         "block_shed_rate": ic.block_events_shed / blocks_received if blocks_received else 0.0,
+        "frames_dropped": ic.frames_dropped,
+        "events_dropped": ic.events_dropped,
         "ingest_queue_frames": len(service.queue),
         "ingest_queue_depth": service.queue.depth,
         "workflows_active": workflows_active,
