@@ -15,6 +15,7 @@ from policyd.daemon.server import serve
 from policyd.daemon.settings import DaemonSettings, online_policies
 from policyd.demo import demo_main
 from policyd.ingest_bench import bench_main
+from policyd.ingest_cost import stages_main
 from policyd.workloads import WORKLOADS
 
 Handler = Callable[[argparse.Namespace, Sequence[str]], int]
@@ -104,6 +105,11 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     bench.add_argument(
         "--sample-s", type=float, default=5.0, help="seconds between progress/RSS samples"
     )
+    bench.add_argument(
+        "--stages",
+        action="store_true",
+        help="instead: the CPU cost of each ingest stage, in-process (no daemon, no sockets)",
+    )
     bench.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     bench.add_argument("--plot", metavar="PATH", help="also plot RSS over the run (PNG)")
 
@@ -137,7 +143,7 @@ def _demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def _bench_ingest(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    return bench_main(args, argv)
+    return stages_main(args, argv) if args.stages else bench_main(args, argv)
 
 
 COMMANDS: dict[str, Handler] = {

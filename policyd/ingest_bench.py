@@ -461,6 +461,10 @@ def run_bench(
         "block_sample_rate": after.get("history_block_sample_rate", block_sample_rate),
         "window_s": window_s,
         "drained_s": drained_s,
+        "sent_block_events": sum(s[2] for s in sent),
+        "received_block_events": blocks_all,
+        "applied_block_events": delta("block_events_applied"),
+        "frames_dropped": delta("frames_dropped"),
         "sent_frames_per_s": sum(s[0] for s in sent) / window_s,
         "sent_events_per_s": sum(s[1] for s in sent) / window_s,
         "sent_block_events_per_s": sum(s[2] for s in sent) / window_s,
@@ -578,6 +582,7 @@ def bench_main(args: argparse.Namespace, argv: Sequence[str]) -> int:
         events_per_frame=args.batch,
         blocks_per_request=args.blocks_per_request,
     )
+    command = "policyd " + " ".join(shlex.quote(a) for a in argv)
     result = run_bench(
         seconds=args.seconds,
         shape=shape,
@@ -589,7 +594,6 @@ def bench_main(args: argparse.Namespace, argv: Sequence[str]) -> int:
         sample_s=args.sample_s,
     )
     print(render(result))
-    command = "policyd " + " ".join(shlex.quote(a) for a in argv)
     print(f"reproduce: {command}")
     result["command"] = command
     if args.json:

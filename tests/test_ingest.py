@@ -14,7 +14,15 @@ from policyd.daemon import views
 from policyd.daemon.ingest import HARD_BOUND_FACTOR, IngestQueue, block_events, shed
 from policyd.daemon.service import Service
 from policyd.daemon.settings import DaemonSettings
-from policyd.ingest_bench import RESIDENT_WINDOW_BLOCKS, FrameSource, StreamShape
+from policyd.ingest_bench import (
+    RESIDENT_WINDOW_BLOCKS,
+    FrameSource,
+    StreamShape,
+    plot_rss,
+    render,
+    run_bench,
+)
+from policyd.ingest_cost import stage_costs
 from policyd.types import (
     BATCH_CODEC,
     BlocksLoaded,
@@ -176,3 +184,33 @@ def test_past_the_hard_bound_frames_are_dropped_whole_and_counted() -> None:
     kept = queue.take(100, 0.0)
     assert sum(block_events(it.batch) for it in kept) == 30 - c.block_events_shed
     assert [it.batch.seq for it in kept] == list(range(1, len(kept) + 1))  # the gap is real
+
+
+def test_the_bench_drives_a_real_daemon_and_accounts_for_every_block_event(
+    tmp_path: Path,
+) -> None:
+    """A short, rate-limited bench-ingest against a real ``policyd serve`` process: every block
+    event sent is received and applied (nothing to shed at this rate), no sequence gap."""
+    lines: list[str] = []
+    r = run_bench(seconds=2.0, shape=StreamShape(blocks_per_event=16), rate=100_000.0,
+                  db=tmp_path / "bench.duckdb", policy="lru", decisions=20, sample_s=0.5,
+                  say=lines.append)  # fmt: skip
+    assert r["sent_block_events"] > 0
+    assert r["received_block_events"] == r["sent_block_events"]
+    assert r["applied_block_events"] == r["received_block_events"]
+    assert r["shed_block_events"] == 0 and r["frames_dropped"] == 0 and r["seq_gaps"] == 0
+    assert r["malformed_frames"] == 0 and r["rss_after_mib"] > 0
+    assert len(r["rss_series"]) >= 3 and r["decision"]["requests"] == 20 + 5
+    assert "block events/s" in render(r) and any("RSS" in line for line in lines)
+    plot_rss(r, tmp_path / "rss.png")
+    assert (tmp_path / "rss.png").stat().st_size > 0
+
+
+def test_stage_costs_measure_every_stage() -> None:
+    costs = stage_costs(StreamShape(blocks_per_event=16, events_per_frame=64), frames=8)
+    assert list(costs["cpu_s"]) == [
+        "decode", "offer (count, coalesce)", "Engine + service hooks", "history fan-out",
+        "history DuckDB append",
+    ]  # fmt: skip
+    assert costs["block_events"] == 8 * 64 * 16 and costs["requests"] == 8 * 64 * 16 // 512
+    assert costs["all_stages_block_events_per_cpu_s"] > 0
