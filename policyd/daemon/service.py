@@ -9,8 +9,8 @@
 * optional: the vLLM KV-event subscriber, whose translated batches join the same queue.
 
 Every access to the Engine, the policy, the predictor and the estimator happens under
-``self.lock`` (one ``threading.Lock``): the worker, the publisher, housekeeping and the HTTP
-handlers all take it. The API calls the public methods below; none of them blocks on the
+``self.lock`` (one re-entrant ``YieldingLock``): the worker, the publisher, housekeeping and the
+HTTP handlers all take it. The API calls the public methods below; none of them blocks on the
 network or the history writer while holding the lock.
 """
 
@@ -92,6 +92,7 @@ class _ServiceEngine(Engine):
 
 
 GC_GEN0_THRESHOLD: Final = 50_000
+YIELD_S: Final = 0.0002  # how long the engine worker steps aside for a waiting lock holder
 
 
 def _tune_gc() -> None:
@@ -104,6 +105,33 @@ def _tune_gc() -> None:
     gc.freeze()
     _, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(max(GC_GEN0_THRESHOLD, gc.get_threshold()[0]), gen1, gen2)
+
+
+class YieldingLock:
+    """A re-entrant lock that knows whether a thread waits for it. Python's locks are not fair:
+    the engine worker, releasing and re-taking the lock batch after batch, would starve an HTTP
+    decision waiting for it while a backlog drains (seconds per answer); the worker checks
+    ``contended`` after each batch and steps aside."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._count = threading.Lock()
+        self._waiting = 0
+
+    def __enter__(self) -> YieldingLock:
+        with self._count:
+            self._waiting += 1
+        self._lock.acquire()
+        with self._count:
+            self._waiting -= 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    @property
+    def contended(self) -> bool:
+        return self._waiting > 0
 
 
 class Service:
@@ -119,7 +147,7 @@ class Service:
         self.settings = settings
         self.clock = clock
         self.wall_clock = wall_clock
-        self.lock = threading.RLock()
+        self.lock = YieldingLock()
         self.tunables: dict[str, object] = default_tunables(settings.policy)
         profile = get_profile(settings.profile)
         self.kv_bytes_per_block = profile.kv_bytes_per_block
@@ -399,6 +427,8 @@ class Service:
                 self.engine.apply(item.batch)
                 self.counts["events"] += item.events
                 self.counts["block_events"] += item.block_events
+            if self.lock.contended:  # a decision or a snapshot waits: let it in first
+                time.sleep(YIELD_S)
             if item.batch.events:
                 self.history.record_batch(item.batch, received_ts=item.received_ts)
 
