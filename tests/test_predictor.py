@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from river import checks
+from river import checks, metrics, utils
 
 from policyd import predictor_eval
 from policyd.predictor import (
@@ -348,6 +348,98 @@ def test_the_path_cache_changes_no_forecast() -> None:
             assert cached.predict(call.workflow_id) == uncached.predict(call.workflow_id)
     assert cached.stats()["accuracy"] == uncached.stats()["accuracy"]
     assert cached._type("fact-checking").context.version > 100  # the weights did change
+
+
+def test_the_name_and_feature_caches_change_no_forecast() -> None:
+    """The crossed hint names (per candidate and set of hint names) and the path features (per
+    candidate, calls and run) are built once and reused: a predictor whose caches are emptied
+    before every call forecasts and learns exactly as one that keeps them."""
+    kept, emptied = Predictor(k=3), Predictor(k=3)
+    events = list(interleave(code_writing(seed=6, workflows=50), 8))
+    events += list(interleave(fact_checking(seed=6, workflows=50), 8))
+    for call, pos, ended in events:
+        for predictor in (kept, emptied):
+            if predictor is emptied:
+                predictor._path._parts.clear()
+                for model in predictor._types.values():
+                    model.context._crossed.clear()
+            if pos:
+                predictor.predict(call.workflow_id)
+            if ended:
+                predictor.observe_finished(call.workflow_id)
+            else:
+                args = (call.workflow_type, call.agent, call.hints, float(pos))
+                predictor.observe_call(call.workflow_id, *args)
+        if pos and not ended:
+            assert kept.predict(call.workflow_id) == emptied.predict(call.workflow_id)
+    assert kept.stats()["accuracy"] == emptied.stats()["accuracy"]
+    assert kept._path._parts and all(m.context._crossed for m in kept._types.values())
+    # a refreshed position reuses its context keys: they are the ones its contexts give
+    for model in kept._types.values():
+        for structure in model.structures.values():
+            assert kept.markov.context_keys(structure.markov_x) == structure.markov_keys
+            assert kept.copy.context_keys(structure.copy_x) == structure.copy_keys
+
+
+def test_crossed_features_name_every_hint_with_a_value() -> None:
+    model = context.ContextModel()
+    hints = model.hint_features({"a": 2.0, "b": 0.0}, {"repo=x": 1.0})
+    model.learn_hints({"a": 1.0, "b": 0.0})
+    model.learn_hints({"a": 3.0, "b": 0.0})
+    hints = model.hint_features({"a": 3.0, "b": 0.0}, {"repo=x": 1.0})
+    expected = {"C|bias": 1.0, **{f"C|{f}": v for f, v in hints.items() if v}}
+    assert model.crossed("C", hints) == expected
+    assert "C|b" not in expected and "C|repo=x" in expected  # zeros add nothing
+    assert model.crossed("C", hints) == expected  # the second time from the names cache
+    assert model.crossed_names("D", ("a",)) == ("D|bias", "D|a")
+    legacy = pickle.loads(pickle.dumps(model))
+    del legacy._crossed  # a model pickled before the cache existed
+    restored = pickle.loads(pickle.dumps(legacy))
+    assert restored.crossed("C", hints) == expected
+
+
+def test_the_rolling_accuracy_reads_as_one_updated_at_every_check() -> None:
+    """The tracker feeds its River rolling metrics when they are read; read at any point, they
+    give what metrics updated at every check give, window overflows included."""
+
+    def value(metric: utils.Rolling[metrics.Accuracy]) -> float:
+        return float(metric.obj.get())  # type: ignore[no-untyped-call]
+
+    rng = random.Random(11)
+    window = 20
+    tracker = tracking.Tracker(k=2, window=window)
+    eager = [utils.Rolling(metrics.Accuracy, window_size=window) for _ in range(2)]
+    reads = 0
+    for n in range(400):
+        step = rng.choice((1, 2))
+        guess = rng.choice("ab")
+        forecast = Forecast(agents=[{guess: 1.0}, {guess: 1.0}], alive=[1.0, 1.0])
+        label = rng.choice("abc")
+        tracker.check("t", forecast, step, label)
+        eager[step - 1].update(label, guess)
+        if rng.random() < 0.1 or n in (5, 399):  # reads now and then: short and long gaps
+            reads += 1
+            for s in (1, 2):
+                assert tracker.accuracy(s, rolling=True) == value(eager[s - 1])
+    assert reads > 10
+    # the daemon's resize copies the metrics over: the copy goes on from them
+    fresh = tracking.Tracker(k=2, window=window)
+    fresh.rolling[:1] = tracker.rolling[:1]
+    forecast = Forecast(agents=[{"a": 1.0}, {"a": 1.0}], alive=[1.0, 1.0])
+    fresh.check("t", forecast, 1, "a")
+    eager[0].update("a", "a")
+    assert fresh.accuracy(1, rolling=True) == value(eager[0])
+    # a tracker pickled when its metrics were updated at every check
+    state = dict(tracker.__dict__)
+    state["rolling"] = state.pop("_rolling")
+    for name in ("_window", "_unread"):
+        del state[name]
+    legacy = tracking.Tracker.__new__(tracking.Tracker)
+    legacy.__setstate__(state)
+    assert legacy.accuracy(2, rolling=True) == tracker.accuracy(2, rolling=True)
+    legacy.check("t", forecast, 2, "b")
+    eager[1].update("b", "a")
+    assert legacy.accuracy(2, rolling=True) == value(eager[1])
 
 
 def test_a_restored_checkpoint_forecasts_as_the_original() -> None:

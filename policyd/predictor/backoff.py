@@ -47,6 +47,8 @@ class Counts:
         counts[label] = count
         self.total += weight
         order = self.order
+        if order and order[0] == label:  # the most frequent label again: the usual case
+            return
         if label not in order:
             if len(order) < self.top:
                 order.append(label)
@@ -156,13 +158,20 @@ class BackoffClassifier(base.Classifier):
     def learn_keys(self, keys: Keys, label: str) -> None:
         """``learn`` for a context whose ``keys`` were computed already (the fast path)."""
         tables = self._tables
+        max_count = self.max_count
         for key, kind in keys:
             counts = tables.get(key)
             if counts is None:
                 counts = tables[key] = Counts(self.top)
                 self._by_type.setdefault(kind, []).append(counts)
-            counts.add(label)
-            if self.max_count and counts.total > self.max_count:
+            table = counts.counts  # Counts.add inlined for its usual case (the leader again)
+            order = counts.order
+            if order and order[0] == label:
+                table[label] += 1.0
+                counts.total += 1.0
+            else:
+                counts.add(label)
+            if max_count and counts.total > max_count:
                 counts.scale(0.5)
         if len(tables) > self.max_contexts:
             self._prune()

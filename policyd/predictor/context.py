@@ -51,14 +51,25 @@ def split_hints(hints: Mapping[str, HintValue]) -> tuple[Features, Features]:
     numeric: Features = {}
     onehot: Features = {}
     integers: list[tuple[str, int]] = []
+    isfinite = math.isfinite
     for key, value in hints.items():
-        if isinstance(value, bool):
+        if type(value) is int:  # the exact types first (one test each), subclasses below
+            numeric[key] = float(value)
+            integers.append((key, value))
+        elif type(value) is float:
+            if isfinite(value):
+                numeric[key] = value
+        elif type(value) is str:
+            onehot[f"{key}={value}"] = 1.0
+        elif value is None:
+            continue
+        elif isinstance(value, bool):
             numeric[key] = float(value)
         elif isinstance(value, int):
             numeric[key] = float(value)
             integers.append((key, value))
         elif isinstance(value, float):
-            if math.isfinite(value):
+            if isfinite(value):
                 numeric[key] = value
         elif isinstance(value, str):
             onehot[f"{key}={value}"] = 1.0
@@ -98,6 +109,12 @@ class ContextModel:
         self.model = self._new_model()
         self.version = 0  # changes whenever the weights do (callers cache dot products by it)
         self._names: dict[tuple[str, str], str] = {}
+        self._crossed: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        """Restore a pickle, one made before the crossed names were cached included."""
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_crossed", {})
 
     def _new_model(self) -> linear_model.LogisticRegression:
         return linear_model.LogisticRegression(
@@ -123,27 +140,34 @@ class ContextModel:
 
     def crossed(self, candidate: str, hints: Features) -> Features:
         """The hint features crossed with ``candidate``'s name, and its bias."""
+        keys = tuple([feature for feature, value in hints.items() if value])
+        values = (1.0, *[value for value in hints.values() if value])
+        return dict(zip(self.crossed_names(candidate, keys), values, strict=True))
+
+    def crossed_names(self, candidate: str, keys: tuple[str, ...]) -> tuple[str, ...]:
+        """The names of ``candidate``'s bias and of the hint features ``keys`` crossed with it:
+        built once per (candidate, set of hint names), since both recur from call to call."""
+        cached = self._crossed.get((candidate, keys))
+        if cached is not None:
+            return cached
+        if len(self._crossed) > 10_000:  # many distinct hint sets: keep memory bounded
+            self._crossed.clear()
         names = self._names
-        features: Features = {}
-        key = (candidate, "bias")
-        name = names.get(key)
-        if name is None:
-            name = names[key] = f"{candidate}|bias"
-        features[name] = 1.0
-        for feature, value in hints.items():
-            if value:
-                key = (candidate, feature)
-                name = names.get(key)
-                if name is None:
-                    if len(names) > 100_000:  # many distinct hint values: keep memory bounded
-                        names.clear()
-                    name = names[key] = f"{candidate}|{feature}"
-                features[name] = value
-        return features
+        if len(names) > 100_000:
+            names.clear()
+        crossed = []
+        for feature in ("bias", *keys):
+            name = names.get((candidate, feature))
+            if name is None:
+                name = names[candidate, feature] = f"{candidate}|{feature}"
+            crossed.append(name)
+        out = self._crossed[candidate, keys] = tuple(crossed)
+        return out
 
     def hint_margin(self, crossed: Features) -> float:
         """Logit of the crossed part, intercept included."""
-        return self.dot()(crossed) + float(self.model.intercept)
+        model = self.model
+        return model._weights.dot(crossed) + float(model.intercept)  # (as ``dot`` says)
 
     def dot(self) -> Callable[[Features], float]:
         """w.x for the current weights (valid until the next ``learn``: ``version`` says)."""

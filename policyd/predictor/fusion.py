@@ -26,23 +26,27 @@ its context model. Nothing reads a clock; randomness (``noise``) comes from ``se
 
 from __future__ import annotations
 
+import math
 import random
 from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import truediv
 from typing import Any
 
 from policyd.predictor.backoff import BackoffClassifier, Keys
-from policyd.predictor.context import ContextModel, Features, sigmoid, split_hints
+from policyd.predictor.context import ContextModel, Features, split_hints
 from policyd.predictor.forecast import END, START, Forecast, random_forecast
 from policyd.predictor.mixture import Mixture
-from policyd.predictor.position import PathFeatures, Position, counted_features
+from policyd.predictor.position import RANKS, PathFeatures, Position, counted_features
 from policyd.predictor.rollout import rollout
 from policyd.predictor.tracking import Tracker
 from policyd.types import HintValue
 
 EXPERTS = ("markov", "copy", "context")
 OTHER = "other"  # the copy expert's label for "not one of the recent agents"
+_RANKS = tuple(f"r{j}" for j in range(1, RANKS + 1))  # its labels for the recent agents
 
 
 @dataclass(slots=True)
@@ -89,11 +93,14 @@ class _Node:
 
 @dataclass(slots=True)
 class _Hints:
-    """The hint part of the context model for one set of hints, computed once per forecast."""
+    """The hint part of the context model for one set of hints, computed once per forecast:
+    the features, and per label they were crossed with, the crossed features and their margin."""
 
     numeric: Features
     features: Features
     crossed: dict[str, tuple[Features, float]] = field(default_factory=dict)  # label -> margin
+    keys: tuple[str, ...] = ()  # the features with a value (zeros add nothing to a margin)
+    values: tuple[float, ...] = (1.0,)  # the bias' 1.0, then those features' values
 
 
 @dataclass(slots=True)
@@ -304,8 +311,8 @@ class Predictor:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore a pickled predictor (a daemon checkpoint). One pickled before the context
-        model counted its weight versions has caches whose fields this version reads: they are
-        dropped and rebuilt on demand."""
+        model counted its weight versions, or before the hints kept their names, has caches
+        whose fields this version reads: they are dropped and rebuilt on demand."""
         self.__dict__.update(state)
         self.__dict__.setdefault("max_paths", 256)
         legacy = False
@@ -314,9 +321,10 @@ class Predictor:
                 model.context.version = 0
                 model.structures.clear()
                 legacy = True
-        if legacy:
-            for workflow in self._workflows.values():
-                workflow.node = workflow.hints = None
+        for workflow in self._workflows.values():
+            hints = workflow.hints
+            if legacy or (hints is not None and not hasattr(hints, "keys")):
+                workflow.node = workflow.hints = None  # (hints pickled before keys existed)
 
     def active(self) -> list[str]:
         return list(self._workflows)
@@ -376,13 +384,17 @@ class Predictor:
         if cached is not None and model.learns - cached.version <= stale:
             return cached
         kind = position.kind
-        markov_x = {"type": kind}
-        for i in range(1, min(self.order, len(history)) + 1):
-            markov_x[f"h{i}"] = history[-i]
-        markov_keys = self.markov.context_keys(markov_x)
+        if cached is not None:  # a refresh: the contexts are the same, their counts changed
+            markov_x, copy_x = cached.markov_x, cached.copy_x
+            markov_keys, copy_keys = cached.markov_keys, cached.copy_keys
+        else:
+            markov_x = {"type": kind}
+            for i in range(1, min(self.order, len(history)) + 1):
+                markov_x[f"h{i}"] = history[-i]
+            markov_keys = self.markov.context_keys(markov_x)
+            copy_x = {"type": kind, "h1": f"run{min(position.run, 3)}", "h2": history[-1]}
+            copy_keys = self.copy.context_keys(copy_x)
         markov = self.markov.distribution_keys(markov_keys)
-        copy_x = {"type": kind, "h1": f"run{min(position.run, 3)}", "h2": history[-1]}
-        copy_keys = self.copy.context_keys(copy_x)
         copy = self._copy_distribution(position, copy_keys, markov)
         w_markov, w_copy, _ = model.mixture.weights(history[-1])
         prior: dict[str, float] = {}
@@ -412,7 +424,10 @@ class Predictor:
         return structure
 
     def _hints(self, position: Position, context: ContextModel) -> _Hints:
-        return _Hints(position.numeric, context.hint_features(position.numeric, position.onehot))
+        features = context.hint_features(position.numeric, position.onehot)
+        keys = tuple([feature for feature, value in features.items() if value])
+        values = (1.0, *[value for value in features.values() if value])
+        return _Hints(position.numeric, features, {}, keys, values)
 
     def _evaluate(self, position: Position, hints: _Hints) -> _Node:
         """The fused one-step distribution at ``position`` (whose hints are ``hints``).
@@ -422,12 +437,19 @@ class Predictor:
         and their dot products are cached per (structure, path) and the dot products are
         recomputed only when the weights have changed since: the same numbers, less work."""
         self._nodes += 1
-        model = self._types.get(position.kind) or self._type(position.kind)
-        structure = self._structure(position, model)
+        kind = position.kind
+        model = self._types.get(kind) or self._type(kind)
+        run = position.run
+        structure = model.structures.get(
+            (position.history[-self.order :], run if run < 3 else 3, position.recent)
+        )
+        learns = model.learns
+        if structure is None or learns - structure.version > min(self.refresh, learns // 10):
+            structure = self._structure(position, model)
         context = model.context
         labels = structure.labels
-        calls = position.calls
-        key = (position.pos, position.run, *[calls.get(label, 0) for label in labels[:-1]])
+        # the path: position, run and the candidate agents' call counts (END is last)
+        key = (position.pos, run, *map(position.calls.get, labels[:-1], repeat(0)))
         path = structure.paths.get(key)
         if path is None:
             relative = [
@@ -439,31 +461,39 @@ class Predictor:
                 structure.paths.clear()
             if self.max_paths:
                 structure.paths[key] = path
-        if path.version != context.version:
-            dot = context.dot()
-            path.dots = [dot(features) for features in path.relative]
-            path.version = context.version
+        version = context.version
+        if path.version != version:
+            path.dots = list(map(context.dot(), path.relative))
+            path.version = version
         crossed = hints.crossed
+        exp = math.exp
         scores: list[float] = []
         for label, relative_margin in zip(labels, path.dots, strict=True):
             part = crossed.get(label) or self._crossed(context, hints, label)
-            scores.append(sigmoid(part[1] + relative_margin))
+            margin = part[1] + relative_margin
+            if margin >= 0.0:  # context.sigmoid, inlined: it runs for every candidate
+                scores.append(1.0 / (1.0 + exp(-margin)))
+            else:
+                e = exp(margin)
+                scores.append(e / (1.0 + e))
         total = sum(scores)
         w_markov, w_copy, w_context = model.mixture.weights(position.history[-1])
-        qs = [score / total for score in scores]
+        qs = list(map(truediv, scores, repeat(total)))
         probs = [
             w_markov * m + w_copy * c + w_context * q
             for m, c, q in zip(structure.markov_p, structure.copy_p, qs, strict=True)
         ]
         norm = sum(probs)
-        return _Node(structure, labels, [p / norm for p in probs], qs, path.relative, scores)
+        probs = list(map(truediv, probs, repeat(norm)))
+        return _Node(structure, labels, probs, qs, path.relative, scores)
 
     @staticmethod
     def _crossed(context: ContextModel, hints: _Hints, label: str) -> tuple[Features, float]:
         """The hint features crossed with ``label`` and their margin, once per forecast."""
         part = hints.crossed.get(label)
         if part is None:
-            features = context.crossed(label, hints.features)
+            names = context.crossed_names(label, hints.keys)
+            features = dict(zip(names, hints.values, strict=True))
             part = hints.crossed[label] = (features, context.hint_margin(features))
         return part
 
@@ -539,20 +569,26 @@ class Predictor:
 
         drifted = False
         pending = workflow.pending
-        for made, forecast in pending:
-            step = position.pos - made + 1
-            drifted |= self.tracker.check(kind, forecast, step, label)
-        while pending and (label == END or position.pos - pending[0][0] + 2 > self.k):
-            pending.popleft()
+        if pending:
+            pos, check = position.pos, self.tracker.check
+            for made, forecast in pending:
+                if check(kind, forecast, pos - made + 1, label):
+                    drifted = True
+            while pending and (label == END or pos - pending[0][0] + 2 > self.k):
+                pending.popleft()
 
-        model = self._type(kind)
+        model = self._types.get(kind) or self._type(kind)
         model.learns += 1
         if label != END and label not in model.known:
             model.known.add(label)
             model.agents.append(label)
         self.markov.learn_keys(structure.markov_keys, label)
         recent = position.recent
-        rank = f"r{recent.index(label) + 1}" if label in recent else OTHER
+        if label in recent:
+            i = recent.index(label)
+            rank = _RANKS[i] if i < len(_RANKS) else f"r{i + 1}"
+        else:
+            rank = OTHER
         self.copy.learn_keys(structure.copy_keys, rank)
 
         # the context model: the true label as a positive, the most likely wrong one as a

@@ -18,6 +18,7 @@ True
 from __future__ import annotations
 
 import math
+from operator import mul
 
 
 class Mixture:
@@ -43,11 +44,12 @@ class Mixture:
         self._local.clear()
 
     def _step(self, weights: list[float], said: list[float]) -> list[float]:
-        pairs = list(zip(weights, said, strict=True))
-        mixed = sum([w * p for w, p in pairs]) or 1e-12
+        if len(said) != len(weights):
+            raise ValueError(f"{len(said)} experts' probabilities for {len(weights)} weights")
+        mixed = sum(map(mul, weights, said)) or 1e-12
         rate = self.rate / mixed
         exp = math.exp
-        new = [w * exp(rate * p) for w, p in pairs]
+        new = [w * exp(rate * p) for w, p in zip(weights, said, strict=True)]
         norm = sum(new)
         floor = self.floor / self.n
         keep = 1.0 - self.floor

@@ -12,6 +12,8 @@ never increases.
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import repeat
+from operator import mul, truediv
 from typing import Protocol
 
 from policyd.predictor.forecast import END, Forecast
@@ -26,6 +28,10 @@ class OneStep(Protocol):
 
     @property
     def probs(self) -> list[float]: ...
+
+
+def _first(child: tuple[float, str, Position]) -> float:
+    return child[0]
 
 
 class _Fixed:
@@ -57,25 +63,33 @@ def rollout(
     ended = 0.0  # P(END by now)
     paths: list[tuple[float, OneStep, Position]] = [(1.0, first, position)]
     for index in range(k):
-        mass = sum(p for p, _, _ in paths)
+        mass = sum([path[0] for path in paths])
         scale = (1.0 - ended) / mass if mass > 0.0 else 0.0
         joint: dict[str, float] = {}
         children: list[tuple[float, str, Position]] = []
         last = index + 1 == k
         for p, one, here in paths:
-            weight = p * scale
-            for label, q in zip(one.labels, one.probs, strict=True):
-                pq = weight * q
-                joint[label] = joint.get(label, 0.0) + pq
-                if not last and label != END and pq >= min_branch:
-                    children.append((pq, label, here))
+            labels = one.labels
+            pqs = list(map(mul, repeat(p * scale), one.probs))  # P(path) x P(label | path)
+            if not joint:  # (a OneStep's labels are distinct)
+                joint = dict(zip(labels, pqs, strict=True))
+            else:
+                get = joint.get
+                for label, pq in zip(labels, pqs, strict=True):
+                    joint[label] = get(label, 0.0) + pq
+            if not last:
+                for label, pq in zip(labels, pqs, strict=True):
+                    if pq >= min_branch and label != END:
+                        children.append((pq, label, here))
         ended = min(1.0, ended + joint.pop(END, 0.0))
         alive.append(1.0 - ended)
         total = sum(joint.values())
-        agents.append({a: p / total for a, p in joint.items()} if total > 0.0 else {})
+        shares = map(truediv, joint.values(), repeat(total))
+        agents.append(dict(zip(joint, shares, strict=True)) if total > 0.0 else {})
         if last or not children:
             break
-        children.sort(key=lambda c: c[0], reverse=True)
+        if len(children) > 1:
+            children.sort(key=_first, reverse=True)
         paths = []
         for p, label, here in children[:beam]:
             child = here.then(label, order)

@@ -6,6 +6,11 @@ workflow finished there; steps past the end are not scored). Per step: top-1 acc
 last ``window`` checks (``utils.Rolling(metrics.Accuracy)``) and since the start (counts); for
 step 1 also the cross-entropy of the whole distribution (``metrics.CrossEntropy``, calibration).
 
+The rolling accuracy is read rarely (stats, the API) and checked ~3 times per call, so the
+checks are kept in a window of (label, guess) pairs and fed to the River metric when it is read:
+only the last ``window`` of them, since the older ones would have left its window anyway. It
+reads the same as a metric updated at every check.
+
 Drift: one ``drift.ADWIN`` per workflow type watches the 0/1 stream of step-1 top-1 errors.
 ADWIN also fires when the error *falls* (the model got better); ``Tracker.check`` reports a
 drift only when the error rose, which is when the predictor must forget.
@@ -13,6 +18,7 @@ drift only when the error rose, which is when the predictor must forget.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from river import drift, metrics, utils
@@ -37,25 +43,61 @@ class Tracker:
         self.k = k
         self.window = window
         self.drift_delta = drift_delta
-        self.rolling = [utils.Rolling(metrics.Accuracy, window_size=window) for _ in range(k)]
+        self._rolling = [self._new_rolling() for _ in range(k)]
+        self._window: list[deque[tuple[str, str]]] = [deque(maxlen=window) for _ in range(k)]
+        self._unread = [0] * k  # checks per step not yet fed to the rolling metric
         self.hits = [0] * k
         self.checked = [0] * k
         self.cross_entropy = metrics.CrossEntropy()  # type: ignore[no-untyped-call]
         self.detectors: dict[str, drift.ADWIN] = {}
         self.drifts: dict[str, int] = {}
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore a pickle, one whose rolling metrics were updated at every check included."""
+        if "rolling" in state:
+            state["_rolling"] = state.pop("rolling")
+            state["_window"] = [deque(maxlen=state["window"]) for _ in range(state["k"])]
+            state["_unread"] = [0] * state["k"]
+        self.__dict__.update(state)
+
+    def _new_rolling(self) -> utils.Rolling[metrics.Accuracy]:
+        return utils.Rolling(metrics.Accuracy, window_size=self.window)
+
+    @property
+    def rolling(self) -> list[utils.Rolling[metrics.Accuracy]]:
+        """The rolling accuracy per step (River metrics), up to date with every check."""
+        rolling, windows, unread = self._rolling, self._window, self._unread
+        for i, fresh in enumerate(unread):
+            if not fresh:
+                continue
+            window = windows[i]
+            if fresh >= self.window:  # the whole window is new: a fresh metric reads the same
+                rolling[i] = self._new_rolling()
+            for label, guess in list(window)[max(0, len(window) - fresh) :]:
+                rolling[i].update(label, guess)
+            unread[i] = 0
+        return rolling
+
     def check(self, kind: str, forecast: Forecast, step: int, label: str) -> bool:
         """Score ``forecast``'s step ``step`` against ``label``; True when this reveals a drift
         towards more errors in workflow type ``kind``."""
         guess = forecast.top(step)
-        self.rolling[step - 1].update(label, guess)
-        self.checked[step - 1] += 1
-        self.hits[step - 1] += guess == label
+        i = step - 1
+        self._window[i].append((label, guess))
+        self._unread[i] += 1
+        self.checked[i] += 1
+        if guess == label:
+            self.hits[i] += 1
         if step != 1:
             return False
+        # the cross-entropy reads the true label's probability only: the joint distribution
+        # (alive x agents, END) is not built, just that entry
         alive = forecast.alive[0]
-        joint = {agent: alive * p for agent, p in forecast.agents[0].items()}
-        joint[END] = 1.0 - alive
+        if label == END:
+            joint = {END: 1.0 - alive}
+        else:
+            p = forecast.agents[0].get(label)
+            joint = {} if p is None else {label: alive * p}
         self.cross_entropy.update(label, joint)
         detector = self.detectors.get(kind)
         if detector is None:
