@@ -27,13 +27,22 @@ from policyd.history import History, HistoryConfig
 from policyd.ingest_bench import FrameSource, StreamShape
 from policyd.types import BATCH_CODEC
 
+STAGE_BLOCK_EVENTS = 800_000  # per measurement, whatever the packaging
+
 
 def stage_costs(
-    shape: StreamShape, *, frames: int = 200, policy: str = "pbkv", block_sample_rate: float = 1.0
+    shape: StreamShape,
+    *,
+    frames: int | None = None,
+    policy: str = "pbkv",
+    block_sample_rate: float = 1.0,
 ) -> dict[str, Any]:
-    """CPU seconds per stage for ``frames`` frames of ``shape``, and the block events per
-    second each stage (and all of them in a row) would sustain on one core."""
+    """CPU seconds per stage for ``frames`` frames of ``shape`` (default: enough for
+    ``STAGE_BLOCK_EVENTS`` block events), and the block events per second each stage (and all
+    of them in a row) would sustain on one core."""
     _tune_gc()  # as the daemon runs
+    if frames is None:
+        frames = -(-STAGE_BLOCK_EVENTS // shape.blocks_per_frame)
     source = FrameSource(shape, 0)
     raw = [source.next()[0] for _ in range(frames)]
     blocks = frames * shape.blocks_per_frame
