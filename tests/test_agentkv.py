@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from policyd.engine import Engine
 from policyd.policies.agentkv import AgentKV
+from policyd.policies.referee import RankingReferee
+from policyd.policies.stepgraph import StepGraph
 from policyd.sim.replay import SimConfig, simulate
 from policyd.types import (
     BlocksRemoved,
@@ -79,28 +81,59 @@ def press(engine: Engine, clock: Clock, host_blocks: int) -> None:
     engine.apply_event(BlocksStored(ts=clock.now, tier="host", block_hashes=(10**6,)))
 
 
-def test_blocks_no_step_will_reuse_are_declined_but_the_shared_prefix_is_kept() -> None:
-    engine, _, clock = trained()
+def test_a_write_into_free_space_is_never_declined() -> None:
+    """Scenario: the workflow's last call (nothing will read its private blocks again), but the
+    host tier is empty: the write evicts nothing, so it cannot cost a hit (Proposition 1's loss
+    needs an eviction) - it is written, whatever the prediction."""
+    engine, policy, clock = trained(host_blocks=100)
     blocks = start(engine, clock, "live.0", "live", agent="planner", private=(9001, 9002))
     finish(engine, clock, "live.0", blocks)
     blocks = start(engine, clock, "live.1", "live", agent="coder", private=(9003,))
     finish(engine, clock, "live.1", blocks)
-    engine.snapshot()  # publishes: the predictor is trusted
+    engine.snapshot()
     last = start(engine, clock, "live.2", "live", agent="planner", private=(9001, 9002, 9004))
     decision = engine.admit("live.2", last)
-    assert set(decision.declined) == {9001, 9002, 9004}  # the workflow ends after this call
+    assert decision.block_hashes == last and decision.reason == "room in the tier"
+    assert policy.decisions["room"] == 1
+
+
+def test_a_full_tier_keeps_only_the_shared_prefix_of_a_finished_workflow() -> None:
+    engine, _, clock = trained(host_blocks=4)
+    press(engine, clock, 4)
+    blocks = start(engine, clock, "live.0", "live", agent="planner", private=(9001, 9002))
+    engine.apply_event(WorkflowFinished(ts=clock.now, workflow_id="live"))
+    decision = engine.admit("live.0", blocks)
     assert decision.block_hashes == SYS  # other workflows' planners read the system prompt
-    # after the planner's first call, the planner is called again: everything is written
-    first = start(engine, clock, "new.0", "new", agent="planner", private=(9101,))
-    assert engine.admit("new.0", first).block_hashes == first
+    assert set(decision.declined) == {9001, 9002}
+
+
+def test_a_write_displacing_only_lower_ranked_blocks_is_made_even_under_pressure() -> None:
+    """Scenario: a full, evicting tier (pressure, a refill above kappa) whose blocks are
+    unscored: the tier would evict them first anyway, so the write replaces less valuable
+    blocks. Make them rank above the request and the EfficientAgent-style rule decides."""
+    engine, policy, clock = trained(host_blocks=8, shards_rate=1.0)
+    press(engine, clock, 8)
+    blocks = start(engine, clock, "live.0", "live", agent="planner", private=(9001, 9002))
+    engine.snapshot()
+    policy.max_new_blocks = 0  # every write is a refill
+    value = policy._reuse_value("live", "planner", engine.state)
+    assert value is not None and value > 0
+    decision = engine.admit("live.0", blocks)
+    assert decision.block_hashes == blocks and decision.reason.startswith("displaces only")
+    fill = engine.state.resident["host"]
+    policy._published = dict.fromkeys(fill, value + 1.0)
+    assert not policy.displaced_below(value, 1, engine.state)
+    assert not engine.admit("live.0", blocks).reason.startswith("displaces only")
 
 
 def test_under_pressure_small_extensions_pass_and_refills_must_survive() -> None:
-    """Scenario: a one-block host tier, far below the working set, full and evicting."""
+    """Scenario: a one-block host tier, far below the working set, full and evicting, whose
+    block ranks above every request (so the value test never admits)."""
     engine, policy, clock = trained(host_blocks=1, shards_rate=1.0)
     press(engine, clock, 1)
     blocks = start(engine, clock, "live.0", "live", agent="planner", private=(9001, 9002))
     engine.snapshot()
+    policy._published = dict.fromkeys(engine.state.resident["host"], 1e9)
     assert policy.working_set.pressure(engine.state, clock.now, theta=0.95, source="shards")
     assert engine.admit("live.0", blocks[:1]).reason == "small extension"  # kappa: 512 blocks
     policy.max_new_blocks = 0  # every write is now a refill
@@ -119,20 +152,50 @@ def test_under_pressure_small_extensions_pass_and_refills_must_survive() -> None
     clock.now += 61.0  # the last capacity eviction leaves the window: no pressure
     engine.apply_event(RequestFinished(ts=clock.now, request_id="live.0"))
     again = start(engine, clock, "live.1", "live", agent="coder", private=(9003,))
-    assert engine.admit("live.1", again).reason in (
-        "no pressure",
-        "no reuse expected (lifecycle / prediction)",
-    )
+    assert engine.admit("live.1", again).reason in ("no pressure", "no reuse expected (prediction)")
 
 
-def test_degraded_predictor_falls_back_to_the_efficientagent_rule() -> None:
+def test_a_degraded_predictor_ranks_by_the_learned_step_graph() -> None:
     engine, policy, clock = trained()
     policy.min_accuracy = 1.01  # no predictor reaches it
-    engine.snapshot()
-    assert policy.degraded
-    blocks = start(engine, clock, "live.2", "live", agent="planner", private=(9001, 9002, 9004))
-    # no prediction-based decline: with no pressure everything is written
-    assert engine.admit("live.2", blocks).block_hashes == blocks
+    blocks = start(engine, clock, "live.0", "live", agent="planner", private=(9001, 9002))
+    finish(engine, clock, "live.0", blocks)
+    snap = engine.snapshot()
+    assert policy.degraded and policy.ranking == "steps"
+    scores = {b: g.score for g in snap.scores for b in g.block_hashes}
+    # planner -> coder -> planner was learned: the planner is 2 steps away, its shared prefix
+    # and private prompt score 1/2 (not recency only, as PBKV degrades)
+    assert scores[9001] == scores[SYS[0]] == 0.5
+
+
+def test_the_step_graph_is_learned_and_an_unknown_position_falls_back_to_recency() -> None:
+    graph = StepGraph()
+    for agent in ("planner", "coder", "tester", "debugger", "coder", "tester"):
+        graph.observe_call("w0", "code", agent)
+    graph.observe_finished("w0")
+    assert graph.steps("code", {"tester"}) == {"debugger": 1, "coder": 2, "tester": 3}
+    assert graph.steps("code", {"planner", "debugger"}) == {"coder": 1, "tester": 2, "debugger": 3}
+    # a type with no transitions yet: the workflow's own agents, most recent nearest
+    assert graph.steps("new", {"b"}, ["a", "b", "c", "b"]) == {"b": 1, "c": 2, "a": 3}
+    graph.observe_call("w1", "new", "a")
+    graph.observe_call("w1", "new", "b")
+    assert graph.steps("new", {"a"}, ["a"]) == {"b": 1}  # "a" is known now
+
+
+def test_the_referee_prefers_the_ranking_that_kept_the_reused_prompt() -> None:
+    referee = RankingReferee(("steps", "lookahead"), window=16, min_samples=2)
+    sizes = {"a": 10, "b": 30}
+    referee.publish(sizes, {"steps": {"b": 1.0}, "lookahead": {"a": 2.0, "b": 1.0}})
+    referee.referenced("a")
+    assert referee.best() == "steps"  # too few samples: the first ranking
+    # "a" ranks low under steps at one snapshot and high at the next: its lowest counts
+    referee.publish(sizes, {"steps": {"b": 1.0}, "lookahead": {"a": 2.0, "b": 1.0}})
+    referee.publish(sizes, {"steps": {"a": 2.0}, "lookahead": {"a": 2.0, "b": 1.0}})
+    referee.referenced("a")
+    means = referee.means()
+    assert means["lookahead"] > means["steps"] and referee.best() == "lookahead"
+    referee.referenced("zzz")  # a key no snapshot scored is not judged
+    assert referee.means() == means
 
 
 def test_agentkv_is_at_least_lru_and_efficientagent_at_a_contended_point() -> None:

@@ -1,40 +1,38 @@
-"""``agentkv``: ours - PBKV's lifecycle and lookahead scores on both tiers, plus a host-tier write
-filter that generalises EfficientAgent's.
+"""``agentkv``: ours - three learned rankings judged online, the chosen one on both tiers, and
+a host-tier write filter that generalises EfficientAgent's.
 
-* GPU tier and demotion: PBKV (``policyd.policies.pbkv``, inherited): retired blocks first,
-  then the lowest lookahead value, ties by recency; conservative prefetch. One addition: the
-  blocks a call's output completes score as its prompt does (the agent's next prompt in the
-  workflow repeats them; PBKV leaves them unscored, below every live prompt).
+* Rankings of the live blocks (retired blocks first in all of them: PBKV's lifecycle):
+  ``lookahead`` - PBKV's expected discounted calls in the next K steps (``pbkv``);
+  ``steps`` - KVFlow's ``1 / steps-to-execution`` on an agent step graph *learned online*
+  (``stepgraph``; before a position has been seen followed by anything, the workflow's own
+  agents by recency); ``both`` - their sum. Each call's output blocks score as its prompt
+  (the agent's next prompt repeats them; PBKV and KVFlow leave them below every live prompt).
+* The referee (``referee``) judges the three on the calls that follow: when an agent is called
+  again in a workflow, it records where each ranking kept that agent's private prompt (its
+  lowest percentile since the previous call, ties by recency). The snapshot publishes the
+  ranking with the best rolling mean; ``steps`` until there is evidence (it is learned from a
+  handful of workflows, the predictor's probabilities are not). Why: on a young predictor
+  (a short run, a new workflow type) the lookahead ranks worse than the structure, on a
+  trained one it ranks better (iterations, survival); measured, not assumed.
+* Graceful degradation: while the predictor is degraded (too few calls, rolling accuracy below
+  ``min_accuracy``) only ``steps`` is published, never worse than recency on an unknown graph.
 * Host tier eviction: the same scores (the simulator and the connector order the host queue by
-  the snapshot too), so retired blocks leave the host first and a shared system prompt outlives
-  a private tail nobody is predicted to read.
-* Host tier admission, per request on the synchronous path (``admit``). A write is worth its
-  space only if the block is reused before the tier would evict it. Three tests, in order:
-
-  1. *lifecycle / prediction*: a block of a finished workflow, or of an agent the predictor gives
-     less than ``min_reuse`` expected calls in the next K steps (outside the agent's shared
-     prefix), is never reused: declined (skipped while the predictor is degraded);
-  2. *no pressure* (EfficientAgent's pressure signal from ``WorkingSet``: the online SHARDS
-     working set > host capacity, occupancy >= theta, a capacity eviction in the window): the
-     rest is written;
-  3. *under pressure*: EfficientAgent's rule keeps small extensions (at most ``kappa_chunks``
-     new chunks); a larger write is admitted only if its *expected stack distance* - the prompt
-     blocks referenced per second over the window times the workflow's expected time to its
-     next call - is below
-     the host capacity (it survives until reused). That is Proposition 1's condition estimated
-     online; EfficientAgent's fixed threshold is the special case "refills never survive".
-
+  the snapshot too), so retired blocks leave the host first.
+* Host tier admission, per request on the synchronous path (``admit``, see its docstring): a
+  write into free space, or one that displaces only blocks ranked below the request's own
+  prompt, is always made (it cannot cost a hit the tier would otherwise have); a finished
+  workflow's private blocks, or a prompt the ranking gives less than ``min_reuse``, are
+  declined; the rest follows EfficientAgent's rule with its threshold replaced by Proposition
+  1's condition estimated online (expected stack distance below the capacity).
 * In service the connector asks ``admit`` once per request (the daemon's synchronous path); a
   connector applying snapshots only gets EfficientAgent's rule as the snapshot's write filter.
-* Graceful degradation: while the predictor's rolling accuracy is below ``min_accuracy`` PBKV
-  publishes no scores (recency + lifecycle) and admission skips test 1 - EfficientAgent's filter.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
-from typing import ClassVar
+from collections.abc import Hashable, Mapping, Sequence
+from typing import ClassVar, TypeVar
 
 import msgspec
 
@@ -42,6 +40,8 @@ from policyd.engine import EngineState
 from policyd.mrc import Sizing
 from policyd.policies.efficientagent import WorkingSet
 from policyd.policies.pbkv import PBKV
+from policyd.policies.referee import RankingReferee
+from policyd.policies.stepgraph import StepGraph
 from policyd.predictor import Predictor
 from policyd.types import (
     BLOCK_SIZE_TOKENS,
@@ -54,6 +54,9 @@ from policyd.types import (
     WorkflowFinished,
     WriteFilter,
 )
+
+_K = TypeVar("_K")
+Key = tuple[str, str]  # (workflow, agent): one agent's private prompt in one workflow
 
 
 class AgentKV(PBKV):
@@ -85,6 +88,8 @@ class AgentKV(PBKV):
         interval_smoothing: float = 0.5,
         host_blocks: int = 0,
         gpu_blocks: int = 0,
+        referee_window: int = 256,
+        referee_min_samples: int = 32,
     ) -> None:
         super().__init__(
             k=k,
@@ -120,7 +125,21 @@ class AgentKV(PBKV):
         # (workflow, agent) -> (its latest prompt, the blocks that call's output completed):
         # the agent's next prompt in the workflow starts with both
         self._output: dict[tuple[str, str], tuple[tuple[int, ...], tuple[int, ...]]] = {}
-        self.decisions = {"all": 0, "dead": 0, "extension": 0, "survives": 0, "declined": 0}
+        self.graph = StepGraph()
+        self.referee = RankingReferee(
+            ("steps", "lookahead", "both"), window=referee_window, min_samples=referee_min_samples
+        )
+        self.ranking = "steps"
+        self._published: dict[int, float] = {}  # block -> score in the last snapshot
+        self.decisions = {
+            "room": 0,
+            "value": 0,
+            "all": 0,
+            "dead": 0,
+            "extension": 0,
+            "survives": 0,
+            "declined": 0,
+        }
 
     def snapshot(
         self, state: EngineState, *, now: float, version: int, ttl_s: float
@@ -128,6 +147,25 @@ class AgentKV(PBKV):
         """PBKV's scores, plus EfficientAgent's rule as the write filter: what a connector that
         applies snapshots only (no per-request ``admit`` call) can enforce on its own."""
         snap = super().snapshot(state, now=now, version=version, ttl_s=ttl_s)
+        if self.degraded:  # PBKV published lifecycle only: rank the rest by the learned graph
+            groups = self.structural_groups(state)
+            snap = msgspec.structs.replace(snap, scores=(*groups, *snap.scores))
+        # a block in two groups (prompts sharing blocks across workflows, a retired block
+        # still in a live agent's prompt) takes the later group's score, as a tier applying
+        # the groups in order would; the snapshot says it once
+        published: dict[int, float] = {}
+        for group in snap.scores:
+            published.update(dict.fromkeys(group.block_hashes, group.score))
+        self._published = published
+        if len(published) < sum(len(g.block_hashes) for g in snap.scores):
+            claimed: set[int] = set()
+            unique: list[ScoredBlocks] = []
+            for group in reversed(snap.scores):
+                blocks = tuple(b for b in dict.fromkeys(group.block_hashes) if b not in claimed)
+                claimed.update(blocks)
+                if blocks:
+                    unique.append(ScoredBlocks(group.score, blocks))
+            snap = msgspec.structs.replace(snap, scores=tuple(reversed(unique)))
         pressure = self.working_set.pressure(state, now, theta=self.theta, source="shards")
         write_filter = WriteFilter(
             mode="conditioned", max_new_blocks=self.max_new_blocks, pressure=pressure
@@ -150,6 +188,8 @@ class AgentKV(PBKV):
         if kind is RequestStarted:
             assert isinstance(event, RequestStarted)
             wid = event.workflow_id
+            self.graph.observe_call(wid, event.workflow_type, event.agent)
+            self.referee.referenced((wid, event.agent))
             last = self._last_call_ts.get(wid)
             self._last_call_ts[wid] = event.ts
             if last is not None:
@@ -170,16 +210,96 @@ class AgentKV(PBKV):
                     self._output[req.workflow_id, req.agent] = (req.block_hashes, out)
         elif kind is WorkflowFinished:
             assert isinstance(event, WorkflowFinished)
+            self.graph.observe_finished(event.workflow_id)
             self._last_call_ts.pop(event.workflow_id, None)
             self._interval_s.pop(event.workflow_id, None)
             for key in [k for k in self._output if k[0] == event.workflow_id]:
                 del self._output[key]
 
     def score_groups(self, state: EngineState) -> list[ScoredBlocks]:
-        """PBKV's groups, plus each call's output blocks at the score of its prompt's tail:
-        an append-only conversation's next prompt starts with them (PBKV scores prompts
-        only, so their outputs would rank with unscored blocks, below every live prompt)."""
-        groups = super().score_groups(state)
+        """The ranking the referee prefers - PBKV's lookahead or the learned graph's steps -
+        as groups; both are published to the referee to be judged on the calls that follow."""
+        steps = self._values(state, lookahead=False)
+        ahead = self._values(state, lookahead=True)
+        both = (_added(steps[0], ahead[0]), _added(steps[1], ahead[1]))
+        rankings = {"steps": steps, "lookahead": ahead, "both": both}
+        self._publish(state, {name: values[0] for name, values in rankings.items()})
+        self.ranking = self.referee.best()
+        return self._to_groups(rankings[self.ranking], state)
+
+    def structural_groups(self, state: EngineState) -> list[ScoredBlocks]:
+        """KVFlow's ``1 / steps`` priority on the learned step graph (the referee judges it
+        alone while the predictor is degraded)."""
+        steps = self._values(state, lookahead=False)
+        self._publish(state, {"steps": steps[0], "lookahead": {}, "both": steps[0]})
+        self.ranking = "steps"
+        return self._to_groups(steps, state)
+
+    def _publish(self, state: EngineState, rankings: dict[str, dict[Key, float]]) -> None:
+        prefixes = state.agent_prefix
+        sizes: dict[Hashable, int] = {}
+        for wf in state.active_workflows():
+            for agent, blocks in wf.agent_blocks.items():
+                size = len(blocks) - len(prefixes.get(agent, ()))
+                if size > 0:
+                    sizes[wf.workflow_id, agent] = size
+        self.referee.publish(sizes, rankings)
+
+    def _values(
+        self, state: EngineState, *, lookahead: bool
+    ) -> tuple[dict[Key, float], dict[str, float]]:
+        """Per (workflow, agent) private prompt and per agent's shared prefix, a value.
+
+        Lookahead (PBKV): the agent's expected discounted calls in the workflow's next K steps;
+        a shared prefix sums them over active workflows. Steps (KVFlow on the learned graph):
+        ``1 / steps-to-execution`` from where the workflow stands; a shared prefix takes the
+        nearest workflow's. Agents left out score 0 (below every live prompt)."""
+        private: dict[Key, float] = {}
+        shared: dict[str, float] = {}
+        running: dict[str, set[str]] = {}
+        if not lookahead:
+            for req in state.requests.values():
+                running.setdefault(req.workflow_id, set()).add(req.agent)
+        for wf in state.active_workflows():
+            wid = wf.workflow_id
+            if lookahead:
+                forecast = self._forecast(wid)
+                if forecast is None:
+                    continue
+                for agent, mass in self.agent_mass(forecast).items():
+                    shared[agent] = shared.get(agent, 0.0) + mass
+                    private[wid, agent] = mass
+                continue
+            here = running.get(wid, set())
+            if wf.agents:
+                here = here | {wf.agents[-1]}
+            for agent, k in self.graph.steps(wf.workflow_type, here, wf.agents).items():
+                private[wid, agent] = 1.0 / k
+                shared[agent] = max(shared.get(agent, 0.0), 1.0 / k)
+        return private, shared
+
+    def _to_groups(
+        self, values: tuple[dict[Key, float], dict[str, float]], state: EngineState
+    ) -> list[ScoredBlocks]:
+        private, shared = values
+        prefixes = state.agent_prefix
+        workflows = state.workflows
+        groups: list[ScoredBlocks] = []
+        for (wid, agent), score in private.items():
+            wf = workflows.get(wid)
+            blocks = None if wf is None else wf.agent_blocks.get(agent)
+            if blocks is not None:
+                tail = blocks[len(prefixes.get(agent, ())) :]
+                if tail:
+                    groups.append(ScoredBlocks(score, tail))
+        for agent, score in shared.items():
+            prefix = prefixes.get(agent)
+            if prefix:
+                groups.append(ScoredBlocks(score, prefix))
+        return self._with_outputs(groups, state)
+
+    def _with_outputs(self, groups: list[ScoredBlocks], state: EngineState) -> list[ScoredBlocks]:
+        """``groups`` plus each call's output blocks at the score of its prompt's tail."""
         if not self._output:
             return groups
         by_last = {g.block_hashes[-1]: g.score for g in groups}
@@ -208,34 +328,75 @@ class AgentKV(PBKV):
 
     # -- admission -----------------------------------------------------------------------------
 
-    def _reuse_mass(self, workflow_id: str, agent: str) -> float | None:
-        """Expected discounted calls of ``agent`` in the workflow's next K steps (None: no
-        forecast to go by)."""
-        if self.degraded:
+    def _reuse_value(self, workflow_id: str, agent: str, state: EngineState) -> float | None:
+        """The value the ranking in use gives ``agent``'s private prompt in the workflow now
+        (None: nothing to go by): the lookahead's expected discounted calls in the next K
+        steps, or ``1 / steps`` on the learned graph (0 when unreachable)."""
+        wf = state.workflows.get(workflow_id)
+        if wf is None:
             return None
-        forecast = self._forecast(workflow_id)
-        if forecast is None:
-            return None
-        return self.agent_mass(forecast).get(agent, 0.0)
+        if self.ranking == "lookahead" and not self.degraded:
+            forecast = self._forecast(workflow_id)
+            if forecast is None:
+                return None
+            return self.agent_mass(forecast).get(agent, 0.0)
+        here = {r.agent for r in state.requests.values() if r.workflow_id == workflow_id}
+        k = self.graph.steps(wf.workflow_type, here | {agent}, wf.agents).get(agent)
+        return 0.0 if k is None else 1.0 / k
+
+    def displaced_below(self, value: float, n_blocks: int, state: EngineState) -> bool:
+        """Would writing ``n_blocks`` into the host tier evict only blocks ranked below
+        ``value``? The tier evicts its lowest-scored blocks first (the published scores,
+        unscored blocks at 0), so it is enough that ``n_blocks`` of them score below."""
+        if n_blocks <= 0:
+            return True
+        scores = self._published
+        below = 0
+        for b in state.resident["host"]:
+            if scores.get(b, 0.0) < value:
+                below += 1
+                if below >= n_blocks:
+                    return True
+        return False
 
     def admit(self, request_id: str, block_hashes: Sequence[int], state: EngineState) -> Admit:
+        """Host admission, per request: is each written block reused before the tier would
+        evict it, and is it worth more than what it displaces? In order:
+
+        1. lifecycle: the workflow finished - only the agent's shared prefix is kept;
+        2. room: the tier holds the write without evicting anything - written (it can cost
+           no hit: Proposition 1's loss needs an eviction);
+        3. value: everything the write would evict ranks below the request's private prompt
+           under the ranking in use (the tier evicts by the same scores) - written;
+        4. prediction: the ranking gives the prompt less than ``min_reuse`` - declined;
+        5. then EfficientAgent's rule generalised: no pressure, a small extension, or an
+           expected stack distance below the capacity (it survives until reused) - written;
+           otherwise declined."""
         blocks = tuple(block_hashes)
         req = state.requests.get(request_id)
         if req is None:  # unknown request: store everything (vLLM's behaviour)
             return Admit(request_id=request_id, block_hashes=blocks, reason="unknown request")
         wf = state.workflows.get(req.workflow_id)
         shared = set(state.agent_prefix.get(req.agent, ()))
-        mass = self._reuse_mass(req.workflow_id, req.agent)
-        if (wf is not None and wf.done) or (mass is not None and mass < self.min_reuse):
-            keep = tuple(b for b in blocks if b in shared)
-            self.decisions["dead"] += 1
+        ws = self.working_set
+        if wf is not None and wf.done:
+            return self._dead(request_id, blocks, shared, "workflow finished (lifecycle)")
+        resident = state.resident["host"]
+        new = len(set(blocks).difference(resident))
+        overflow = len(resident) + new - ws.host_blocks
+        if overflow <= 0:
+            self.decisions["room"] += 1
+            return Admit(request_id=request_id, block_hashes=blocks, reason="room in the tier")
+        value = self._reuse_value(req.workflow_id, req.agent, state)
+        if value is not None and self.displaced_below(value, overflow, state):
+            self.decisions["value"] += 1
             return Admit(
                 request_id=request_id,
-                block_hashes=keep,
-                declined=tuple(b for b in blocks if b not in shared),
-                reason="no reuse expected (lifecycle / prediction)",
+                block_hashes=blocks,
+                reason=f"displaces only blocks ranked below {value:.2f}",
             )
-        ws = self.working_set
+        if value is not None and value < self.min_reuse:
+            return self._dead(request_id, blocks, shared, "no reuse expected (prediction)")
         if not ws.pressure(state, self.now_ts, theta=self.theta, source="shards"):
             self.decisions["all"] += 1
             return Admit(request_id=request_id, block_hashes=blocks, reason="no pressure")
@@ -258,3 +419,19 @@ class AgentKV(PBKV):
             declined=blocks,
             reason="refill under pressure, evicted before reuse",
         )
+
+    def _dead(self, request_id: str, blocks: tuple[int, ...], shared: set[int], why: str) -> Admit:
+        self.decisions["dead"] += 1
+        return Admit(
+            request_id=request_id,
+            block_hashes=tuple(b for b in blocks if b in shared),
+            declined=tuple(b for b in blocks if b not in shared),
+            reason=why,
+        )
+
+
+def _added(a: Mapping[_K, float], b: Mapping[_K, float]) -> dict[_K, float]:
+    out = dict(a)
+    for key, value in b.items():
+        out[key] = out.get(key, 0.0) + value
+    return out
