@@ -47,7 +47,7 @@ class RankingReferee:
 
     def publish(
         self,
-        sizes: Mapping[Hashable, int],
+        sizes: Mapping[Any, int],
         rankings: Mapping[str, Mapping[Any, float]],
         capacity_blocks: int | None = None,
     ) -> None:
