@@ -102,3 +102,12 @@ def test_conditioned_admission_declines_nothing_on_a_tier_above_the_working_set(
     )
     assert fixed_audit.counts.lost_hits > 0  # the blow-up: refills declined that would hit
     assert fixed.recomputed_tokens > report.recomputed_tokens
+
+
+def test_agentkv_declines_nothing_while_the_tier_has_room() -> None:
+    """On a tier above the working set no write can evict anything, so agentkv writes every
+    block (write-all's hits, no Proposition 1 loss possible) - whatever its predictions say."""
+    write_all, _ = replay(make_policy("lru"), LARGE_HOST_BLOCKS)
+    ours, audit = replay(make_policy("agentkv"), LARGE_HOST_BLOCKS)
+    assert audit.counts.declined_blocks == 0 and ours.host_declined_blocks == 0
+    assert ours.host_write_bytes == write_all.host_write_bytes
