@@ -20,6 +20,7 @@ import gc
 import inspect
 import json
 import logging
+import sys
 import threading
 import time
 from collections import Counter
@@ -92,6 +93,7 @@ class _ServiceEngine(Engine):
 
 
 GC_GEN0_THRESHOLD: Final = 50_000
+SWITCH_INTERVAL_S: Final = 0.001
 YIELD_S: Final = 0.0002  # how long the engine worker steps aside for a waiting lock holder
 
 
@@ -105,6 +107,10 @@ def _tune_gc() -> None:
     gc.freeze()
     _, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(max(GC_GEN0_THRESHOLD, gc.get_threshold()[0]), gen1, gen2)
+    # a thread waiting for the interpreter lock waits up to the switch interval (5 ms by
+    # default) per hand-over, and an HTTP decision hands over several times (event loop,
+    # worker thread) while the ingest threads are busy
+    sys.setswitchinterval(min(SWITCH_INTERVAL_S, sys.getswitchinterval()))
 
 
 class YieldingLock:
