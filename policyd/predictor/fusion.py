@@ -32,7 +32,6 @@ from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import truediv
 from typing import Any
 
 from policyd.predictor.backoff import BackoffClassifier, Keys
@@ -478,13 +477,13 @@ class Predictor:
                 scores.append(e / (1.0 + e))
         total = sum(scores)
         w_markov, w_copy, w_context = model.mixture.weights(position.history[-1])
-        qs = list(map(truediv, scores, repeat(total)))
+        qs = [score / total for score in scores]
         probs = [
             w_markov * m + w_copy * c + w_context * q
             for m, c, q in zip(structure.markov_p, structure.copy_p, qs, strict=True)
         ]
         norm = sum(probs)
-        probs = list(map(truediv, probs, repeat(norm)))
+        probs = [p / norm for p in probs]
         return _Node(structure, labels, probs, qs, path.relative, scores)
 
     @staticmethod
