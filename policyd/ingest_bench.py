@@ -552,7 +552,8 @@ def render(r: dict[str, Any]) -> str:
         f"  applied to the Engine {r['applied_block_events_per_s']:,.0f} block events/s "
         f"({r['applied_ratio_to_target']:.2f}x the target; {r['applied_events_per_s']:,.0f} "
         f"events/s, {r['requests_per_s']:,.0f} requests/s); shed {r['block_shed_rate']:.1%} of "
-        f"block events ({r['shed_block_events']:,}); seq gaps {r['seq_gaps']}",
+        f"block events ({r['shed_block_events']:,}); frames dropped whole "
+        f"{r['frames_dropped']:,}; seq gaps {r['seq_gaps']}",
         f"  history rows written {r['history_rows_per_s']:,.0f} rows/s (block rows sampled at "
         f"{r['block_sample_rate']}; dropped {r['history_rows_dropped']:,})",
         f"  snapshot publish->receive p50 {r['snapshot_latency_p50_ms']:.2f} ms, p99 "
