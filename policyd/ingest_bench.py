@@ -474,7 +474,7 @@ def run_bench(
         "blocks_per_request": shape.blocks_per_request,
         "senders": senders,
         "policy": policy,
-        "block_sample_rate": after.get("history_block_sample_rate", block_sample_rate),
+        "block_sample_rate": 1.0 if block_sample_rate is None else block_sample_rate,
         "window_s": window_s,
         "drained_s": drained_s,
         "sent_block_events": sum(s[2] for s in sent),
