@@ -87,11 +87,18 @@ class DaemonSettings:
     )
     ingest_queue_frames: int = field(
         default=4096,
-        metadata={"help": "Frames buffered between the PULL socket and the Engine (hard bound)."},
+        metadata={
+            "help": "Queue between the PULL socket and the Engine, in frames of 256 events or "
+            "block events (a frame of 4,096 block events weighs 16): block-level events are "
+            "shed above shed_above_frames, falling to none kept at this depth; past twice this, "
+            "whole frames are dropped and counted."
+        },
     )
     shed_above_frames: int = field(
         default=256,
-        metadata={"help": "Queue depth above which block-level events are sampled (shed)."},
+        metadata={
+            "help": "Queue depth (weighted frames) above which block-level events are sampled."
+        },
     )
     max_frame_bytes: int = field(
         default=8 * 1024 * 1024,
