@@ -64,6 +64,7 @@ def leave_mid_flight(
         "ui-mid-flight",
         Endpoints(events=daemon.events_endpoint, snapshots=daemon.snapshots_endpoint),
     )
+    before = _taken(daemon)
     try:
         sim = Simulator(workload, make_policy("lru"), SimConfig(concurrency=len(ids)))
         sim_now: Callable[[], float] = lambda: sim.now  # noqa: E731
@@ -72,16 +73,30 @@ def leave_mid_flight(
         sim.run()
         if not client.flush(timeout_s):
             raise RuntimeError("the mid-flight events did not leave the client")
+        sent = client.stats()["sent_events"]
     finally:
         client.close(1.0)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        received, settled = _taken(daemon)
         with daemon.service.lock:
             active = set(daemon.service.engine.state.workflows)
-        if set(ids) <= active:
+        # every event sent was received and applied (or shed), so the daemon's views - sizing
+        # above all - no longer move under a reader
+        done = received - before[0] >= sent and settled - before[1] >= received - before[0]
+        if done and set(ids) <= active:
             return ids
         time.sleep(0.05)
     raise RuntimeError(f"the daemon did not report {ids} active within {timeout_s:g} s")
+
+
+def _taken(daemon: RunningDaemon) -> tuple[int, int]:
+    """Events the daemon received, and events it is done with (applied, shed or dropped)."""
+    service = daemon.service
+    counters = service.queue.counters
+    with service.lock:
+        applied = service.counts["events"]
+    return counters.events_received, applied + counters.events_shed + counters.events_dropped
 
 
 def ask_decisions(http_url: str, workload: Workload, *, timeout_s: float = 10.0) -> int:
@@ -133,6 +148,7 @@ def start_live_daemon(
             raise RuntimeError(f"the daemon refused the demo's settings: {errors}")
         live = leave_mid_flight(run.daemon, workflows=active, seed=seed + 1)
         ask_decisions(run.daemon.http_url, half_workflows(active, seed + 1))
+        run.daemon.service.refresh_sizing()  # of the settled state, not the last periodic one
         run.daemon.service.publish_history()
     except BaseException:
         run.stop()
