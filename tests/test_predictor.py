@@ -10,7 +10,7 @@ import doctest
 import math
 import pickle
 import random
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -330,13 +330,17 @@ def test_work_per_forecast_is_bounded_by_the_beam() -> None:
     assert predictor.stats()["active"] <= 20
 
 
-def test_the_path_cache_changes_no_forecast() -> None:
-    """Caching the context model's relative features and dot products per path (recomputed
-    when its weights change) is an optimisation only: every forecast and the learnt state are
-    those of a predictor that caches nothing."""
-    cached, uncached = Predictor(k=3), Predictor(k=3, max_paths=0)
-    for call, pos, ended in interleave(fact_checking(seed=4, workflows=60), 8):
-        for predictor in (cached, uncached):
+def _replay_side_by_side(
+    a: Predictor,
+    b: Predictor,
+    events: Sequence[tuple[Any, int, bool]],
+    before_each: Callable[[Predictor], None] = lambda _: None,
+) -> None:
+    """Feed ``events`` to both predictors (``before_each`` runs on ``b`` before every event);
+    every forecast and the accuracy must be the same."""
+    for call, pos, ended in events:
+        before_each(b)
+        for predictor in (a, b):
             if pos:
                 predictor.predict(call.workflow_id)
             if ended:
@@ -345,8 +349,17 @@ def test_the_path_cache_changes_no_forecast() -> None:
                 args = (call.workflow_type, call.agent, call.hints, float(pos))
                 predictor.observe_call(call.workflow_id, *args)
         if pos and not ended:
-            assert cached.predict(call.workflow_id) == uncached.predict(call.workflow_id)
-    assert cached.stats()["accuracy"] == uncached.stats()["accuracy"]
+            assert a.predict(call.workflow_id) == b.predict(call.workflow_id)
+    assert a.stats()["accuracy"] == b.stats()["accuracy"]
+
+
+def test_the_path_cache_changes_no_forecast() -> None:
+    """Caching the context model's relative features and dot products per path (recomputed
+    when its weights change) is an optimisation only: every forecast and the learnt state are
+    those of a predictor that caches nothing."""
+    cached, uncached = Predictor(k=3), Predictor(k=3, max_paths=0)
+    events = list(interleave(fact_checking(seed=4, workflows=60), 8))
+    _replay_side_by_side(cached, uncached, events)
     assert cached._type("fact-checking").context.version > 100  # the weights did change
 
 
@@ -357,22 +370,13 @@ def test_the_name_and_feature_caches_change_no_forecast() -> None:
     kept, emptied = Predictor(k=3), Predictor(k=3)
     events = list(interleave(code_writing(seed=6, workflows=50), 8))
     events += list(interleave(fact_checking(seed=6, workflows=50), 8))
-    for call, pos, ended in events:
-        for predictor in (kept, emptied):
-            if predictor is emptied:
-                predictor._path._parts.clear()
-                for model in predictor._types.values():
-                    model.context._crossed.clear()
-            if pos:
-                predictor.predict(call.workflow_id)
-            if ended:
-                predictor.observe_finished(call.workflow_id)
-            else:
-                args = (call.workflow_type, call.agent, call.hints, float(pos))
-                predictor.observe_call(call.workflow_id, *args)
-        if pos and not ended:
-            assert kept.predict(call.workflow_id) == emptied.predict(call.workflow_id)
-    assert kept.stats()["accuracy"] == emptied.stats()["accuracy"]
+
+    def empty_caches(predictor: Predictor) -> None:
+        predictor._path._parts.clear()
+        for model in predictor._types.values():
+            model.context._crossed.clear()
+
+    _replay_side_by_side(kept, emptied, events, before_each=empty_caches)
     assert kept._path._parts and all(m.context._crossed for m in kept._types.values())
     # a refreshed position reuses its context keys: they are the ones its contexts give
     for model in kept._types.values():

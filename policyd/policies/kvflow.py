@@ -62,7 +62,7 @@ DEFAULT_GRAPHS: dict[str, dict[str, list[str]]] = {
 }
 
 
-def steps_from(graph: AgentGraph, start: str) -> dict[str, int]:
+def steps_from(graph: Mapping[str, Iterable[str]], start: str) -> dict[str, int]:
     """BFS distances from ``start`` to every agent reachable in at least one step (``start``
     itself only if a cycle leads back to it). Unreachable agents are absent (infinite)."""
     steps: dict[str, int] = {}

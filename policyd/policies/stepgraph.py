@@ -19,8 +19,9 @@ probabilities are trustworthy - so it is what agentkv ranks by while the predict
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Sequence
+
+from policyd.policies.kvflow import steps_from
 
 
 class StepGraph:
@@ -60,16 +61,7 @@ class StepGraph:
         cached = self._steps.get(key)
         if cached is not None:
             return cached
-        graph = self._next.get(workflow_type, {})
-        steps: dict[str, int] = {}
-        frontier: deque[tuple[str, int]] = deque((nxt, 1) for nxt in graph.get(start, ()))
-        while frontier:
-            agent, k = frontier.popleft()
-            if agent in steps:
-                continue
-            steps[agent] = k
-            frontier.extend((nxt, k + 1) for nxt in graph.get(agent, ()) if nxt not in steps)
-        self._steps[key] = steps
+        steps = self._steps[key] = steps_from(self._next.get(workflow_type, {}), start)
         return steps
 
     def steps(
