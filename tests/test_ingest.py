@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 
 from policyd.daemon import views
-from policyd.daemon.ingest import HARD_BOUND_FACTOR, IngestQueue, block_events, shed
+from policyd.daemon.ingest import (
+    HARD_BOUND_FACTOR,
+    LAST_RESORT_FACTOR,
+    IngestQueue,
+    block_events,
+    shed,
+)
 from policyd.daemon.service import Service
 from policyd.daemon.settings import DaemonSettings
 from policyd.ingest_bench import (
@@ -172,18 +178,30 @@ def test_the_queue_depth_weighs_a_frame_by_its_block_events() -> None:
     assert [it.batch.seq for it in rest] == [2, 3, 4, 5] and queue.depth == 0
 
 
-def test_past_the_hard_bound_frames_are_dropped_whole_and_counted() -> None:
+def test_past_the_hard_bound_frames_keep_their_closing_events_then_go_whole() -> None:
     queue = IngestQueue(max_frames=4, shed_above=1)
-    for seq in range(1, 31):  # request-level events alone: shedding cannot relieve the queue
-        events = (RequestFinished(ts=0.0, request_id=f"r{seq}"), stored((seq,)))
+    for seq in range(1, 41):  # request-level events alone: shedding cannot relieve the queue
+        events = (
+            RequestStarted(ts=0.0, request_id=f"r{seq}", workflow_id="w", agent="a"),
+            RequestFinished(ts=0.0, request_id=f"r{seq - 1}"),
+            stored((seq,)),
+        )
         queue.offer(EventBatch("s", seq, events), 0.0)
     c = queue.counters
-    assert queue.depth == len(queue) == HARD_BOUND_FACTOR * 4  # bounded
-    assert c.frames_dropped == 30 - len(queue) and c.events_dropped == 2 * c.frames_dropped
-    assert c.block_events_shed >= c.frames_dropped  # a dropped frame's block event is shed
+    assert queue.depth == len(queue) == LAST_RESORT_FACTOR * 4  # bounded
+    cut = 40 - HARD_BOUND_FACTOR * 4  # frames that arrived past the hard bound
+    closing_only = (LAST_RESORT_FACTOR - HARD_BOUND_FACTOR) * 4
+    assert c.frames_dropped == cut
+    # every cut frame lost its start; those past the last resort lost their finish too
+    assert c.events_dropped == cut + (cut - closing_only)
     kept = queue.take(100, 0.0)
-    assert sum(block_events(it.batch) for it in kept) == 30 - c.block_events_shed
-    assert [it.batch.seq for it in kept] == list(range(1, len(kept) + 1))  # the gap is real
+    queued = sum(len(it.batch.events) for it in kept)
+    assert c.events_received == queued + c.events_shed + c.events_dropped  # every event counted
+    assert sum(block_events(it.batch) for it in kept) == 40 - c.block_events_shed
+    tail = kept[HARD_BOUND_FACTOR * 4 :]
+    assert all(type(e) is RequestFinished for it in tail for e in it.batch.events)
+    # the closing-only frames keep their seq; the frames dropped whole leave a real gap
+    assert [it.batch.seq for it in kept] == list(range(1, len(kept) + 1))
 
 
 def test_the_bench_drives_a_real_daemon_and_accounts_for_every_block_event(

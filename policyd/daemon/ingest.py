@@ -9,7 +9,12 @@ worker. Overload is handled here, before the Engine:
   BlocksLoaded) are kept with a probability that falls linearly to 0 at ``max_frames``;
 * request-level events (RequestStarted, PrefixHit, RequestFinished, WorkflowFinished,
   AllBlocksCleared) are never shed, and every batch is queued (if only for its sequence
-  number), so the queue's memory is bounded by ``max_frames`` batches of request-level events;
+  number);
+* past ``HARD_BOUND_FACTOR x max_frames`` of depth (request-level events alone outrun the
+  Engine) a frame keeps only its closing events - RequestFinished, WorkflowFinished,
+  AllBlocksCleared, which free the Engine's state - and the rest is dropped and counted: state
+  that is never closed would otherwise stay until the idle timeout. Past
+  ``LAST_RESORT_FACTOR x max_frames`` frames are dropped whole, so the queue stays bounded;
 * the keep decision is per block hash (a hash threshold, as SHARDS samples), so at a given rate a
   block's Stored and Removed events are kept or shed together, however the sender grouped its
   hashes into events; an event of 16 hashes is 16 block events, counted and shed per hash.
@@ -33,6 +38,7 @@ import numpy as np
 import zmq
 
 from policyd.types import (
+    AllBlocksCleared,
     BlocksLoaded,
     BlocksRemoved,
     BlocksStored,
@@ -40,6 +46,8 @@ from policyd.types import (
     CodecError,
     Event,
     EventBatch,
+    RequestFinished,
+    WorkflowFinished,
 )
 from policyd.wire import MAX_EVENTS_PER_BATCH
 
@@ -47,7 +55,9 @@ log = logging.getLogger(__name__)
 
 BLOCK_LEVEL: Final = (BlocksStored, BlocksRemoved, BlocksLoaded)
 _MASK: Final = (1 << 64) - 1
-HARD_BOUND_FACTOR: Final = 2  # frames are dropped whole past this many times max_frames
+HARD_BOUND_FACTOR: Final = 2  # past this many times max_frames, frames keep closing events only
+LAST_RESORT_FACTOR: Final = 4  # past this many times max_frames, frames are dropped whole
+CLOSING: Final = (RequestFinished, WorkflowFinished, AllBlocksCleared)
 _GOLDEN: Final = 0x9E3779B97F4A7C15
 
 
@@ -201,9 +211,9 @@ class IngestCounters:
     frames: int = 0
     malformed_frames: int = 0
     events_received: int = 0
-    events_shed: int = 0  # block-level events dropped whole
-    frames_dropped: int = 0  # whole frames dropped past the hard bound (request events too)
-    events_dropped: int = 0  # events in those frames
+    events_shed: int = 0  # block-level events dropped whole (sampled, or past the hard bound)
+    frames_dropped: int = 0  # frames cut past the hard bound (their request events too)
+    events_dropped: int = 0  # request-level events in those frames that were not kept
     block_events_received: int = 0  # hashes named by block-level events received
     block_events_shed: int = 0  # of them, sampled away
     last_malformed: str = ""
@@ -247,18 +257,25 @@ class IngestQueue:
     def offer(self, batch: EventBatch, received_ts: float) -> None:
         """Queue a decoded batch, shedding block-level events under load (never blocks).
         Past ``HARD_BOUND_FACTOR x max_frames`` of depth - block events are all shed long
-        before, so request-level events alone outrun the Engine - the frame is dropped whole
-        and counted: memory stays bounded, and the Engine counts the sequence gap."""
+        before, so request-level events alone outrun the Engine - the frame keeps only its
+        closing events (whole past ``LAST_RESORT_FACTOR x``); what goes is counted, and a frame
+        dropped whole leaves a sequence gap the Engine counts."""
         c = self.counters
         c.events_received += len(batch.events)
         blocks = block_events(batch)
         c.block_events_received += blocks
         if self.depth >= HARD_BOUND_FACTOR * self.max_frames:
             c.frames_dropped += 1
-            c.events_dropped += len(batch.events)
-            c.events_shed += _block_level(batch)
+            block_level = _block_level(batch)
+            c.events_shed += block_level
             c.block_events_shed += blocks
-            return
+            closing: tuple[Event, ...] = ()
+            if self.depth < LAST_RESORT_FACTOR * self.max_frames:
+                closing = tuple(e for e in batch.events if isinstance(e, CLOSING))
+            c.events_dropped += len(batch.events) - block_level - len(closing)
+            if not closing:
+                return
+            batch, blocks = EventBatch(source=batch.source, seq=batch.seq, events=closing), 0
         rate = keep_rate(self.depth, self.shed_above, self.max_frames)
         if rate < 1.0 and blocks:
             cut = shed(batch, rate)
