@@ -91,7 +91,8 @@ class DaemonSettings:
             "help": "Queue between the PULL socket and the Engine, in frames of 256 events or "
             "block events (a frame of 4,096 block events weighs 16): block-level events are "
             "shed above shed_above_frames, falling to none kept at this depth; past twice this, "
-            "whole frames are dropped and counted."
+            "frames keep only their closing events (RequestFinished, WorkflowFinished, "
+            "AllBlocksCleared), past four times they are dropped whole; all counted."
         },
     )
     shed_above_frames: int = field(
