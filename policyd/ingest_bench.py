@@ -529,6 +529,8 @@ def _sample(t_s: float, st: dict[str, Any], pid: int, load_1m: float) -> dict[st
         "ingest_queue_depth": st["ingest_queue_depth"],
         "history_queue_rows": st["history"]["queue_rows"],
         "history_db_bytes": st["history"]["db_bytes"],
+        "requests": st["requests"],
+        "state": st["state_sizes"],
         "load_1m": load_1m,
     }
 
@@ -552,8 +554,8 @@ def render(r: dict[str, Any]) -> str:
         f"  applied to the Engine {r['applied_block_events_per_s']:,.0f} block events/s "
         f"({r['applied_ratio_to_target']:.2f}x the target; {r['applied_events_per_s']:,.0f} "
         f"events/s, {r['requests_per_s']:,.0f} requests/s); shed {r['block_shed_rate']:.1%} of "
-        f"block events ({r['shed_block_events']:,}); frames dropped whole "
-        f"{r['frames_dropped']:,}; seq gaps {r['seq_gaps']}",
+        f"block events ({r['shed_block_events']:,}); frames "
+        f"{r['frames_dropped']:,} cut at the hard bound; seq gaps {r['seq_gaps']}",
         f"  history rows written {r['history_rows_per_s']:,.0f} rows/s (block rows sampled at "
         f"{r['block_sample_rate']}; dropped {r['history_rows_dropped']:,})",
         f"  snapshot publish->receive p50 {r['snapshot_latency_p50_ms']:.2f} ms, p99 "
@@ -565,27 +567,59 @@ def render(r: dict[str, Any]) -> str:
         f"  daemon RSS {r['rss_before_mib']:.0f} MiB before, {r['rss_after_mib']:.0f} MiB after "
         f"({len(r['rss_series'])} samples, max {max(p['rss_mib'] for p in r['rss_series']):.0f}"
         " MiB)",
+        f"  daemon state, last / max sample: {_state_line(r['rss_series'])}",
     ])  # fmt: skip
+
+
+def _state_line(series: Sequence[dict[str, Any]]) -> str:
+    """The in-memory structures' sizes at the last sample and their maxima over the run."""
+    states = [p["state"] for p in series if p.get("state")]
+    if not states:
+        return "not sampled"
+    return ", ".join(
+        f"{name.replace('_', ' ')} {states[-1][name]:,} / {max(s[name] for s in states):,}"
+        for name in states[-1]
+    )
 
 
 def plot_rss(r: dict[str, Any], path: Path) -> None:
     """The daemon's RSS and the applied block-event rate over the run, as a PNG."""
     series = r["rss_series"]
     t = [p["t_s"] for p in series]
-    fig = Figure(figsize=(8, 5.5))
-    top, bottom = fig.subplots(2, 1, sharex=True)
+    fig = Figure(figsize=(8, 7.5))
+    top, middle, bottom = fig.subplots(3, 1, sharex=True)
     top.plot(t, [p["rss_mib"] for p in series], marker=".", color="tab:blue")
     top.set_ylabel("daemon RSS (MiB)")
     top.set_ylim(bottom=0)
     top.grid(alpha=0.3)
+    held = {  # what the daemon holds in memory, in thousands
+        "workflows tracked": [p.get("state", {}).get("workflows", 0) for p in series],
+        "blocks tracked": [p.get("state", {}).get("blocks_tracked", 0) for p in series],
+        "history rows queued": [p["history_queue_rows"] for p in series],
+        "ingest queue depth (frames)": [p["ingest_queue_depth"] for p in series],
+    }
+    for label, values in held.items():
+        middle.plot(t, [v / 1000 for v in values], label=label)
+    middle.set_ylabel("held (thousands)")
+    middle.set_yscale("symlog", linthresh=1.0)
+    middle.legend(fontsize=7, loc="upper left")
+    middle.grid(alpha=0.3)
     rates = [0.0] + [
         (b["block_events_applied"] - a["block_events_applied"]) / max(1e-9, b["t_s"] - a["t_s"])
         for a, b in pairwise(series)
     ]
-    bottom.plot(t, [x / 1000 for x in rates], color="tab:green", label="applied")
+    bottom.plot(t, [x / 1000 for x in rates], color="tab:green", label="block events applied")
     bottom.set_ylabel("block events/s (thousands)")
     bottom.set_xlabel("seconds since the senders started")
     bottom.grid(alpha=0.3)
+    requests = [0.0] + [
+        (b.get("requests", 0) - a.get("requests", 0)) / max(1e-9, b["t_s"] - a["t_s"])
+        for a, b in pairwise(series)
+    ]
+    twin = bottom.twinx()
+    twin.plot(t, requests, color="tab:orange", label="requests applied")
+    twin.set_ylabel("requests/s")
+    bottom.legend(handles=[*bottom.get_lines(), *twin.get_lines()], fontsize=7, loc="upper right")
     fig.suptitle(
         f"policyd bench-ingest --seconds {r['seconds']:.0f}: {r['blocks_per_event']} hashes per "
         f"event, policy {r['policy']}"

@@ -21,6 +21,7 @@ from policyd.daemon.ingest import (
 from policyd.daemon.service import Service
 from policyd.daemon.settings import DaemonSettings
 from policyd.ingest_bench import (
+    CONCURRENT_WORKFLOWS,
     RESIDENT_WINDOW_BLOCKS,
     FrameSource,
     StreamShape,
@@ -219,6 +220,12 @@ def test_the_bench_drives_a_real_daemon_and_accounts_for_every_block_event(
     assert r["shed_block_events"] == 0 and r["frames_dropped"] == 0 and r["seq_gaps"] == 0
     assert r["malformed_frames"] == 0 and r["rss_after_mib"] > 0
     assert len(r["rss_series"]) >= 3 and r["decision"]["requests"] == 20 + 5
+    # a bench workflow ends after CALLS_PER_WORKFLOW calls and caches nothing of its own: the
+    # daemon holds at most the round-robin's live workflows, however long the run
+    state = r["rss_series"][-1]["state"]
+    assert 0 < state["workflows"] <= CONCURRENT_WORKFLOWS
+    assert state["predictor_workflows"] <= CONCURRENT_WORKFLOWS
+    assert "daemon state" in render(r)
     assert "block events/s" in render(r) and any("RSS" in line for line in lines)
     plot_rss(r, tmp_path / "rss.png")
     assert (tmp_path / "rss.png").stat().st_size > 0

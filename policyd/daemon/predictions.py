@@ -56,6 +56,10 @@ class PredictionLog:
         self.resolved = 0
         self.correct = 0
 
+    def __len__(self) -> int:
+        """Workflows whose predictions are tracked (bounded by ``MAX_WORKFLOWS``)."""
+        return len(self._workflows)
+
     def __getstate__(self) -> dict[str, object]:
         state = dict(self.__dict__)
         del state["wall_clock"]  # a clock need not pickle; the restoring service sets its own

@@ -55,6 +55,17 @@ def stats(service: Service) -> dict[str, Any]:
             "workflows_finished": ec.workflows_finished,
             "unknown_requests": ec.unknown_requests,
         }
+        es = service.engine.state
+        state_sizes = {  # what the daemon's memory holds, to tell growth from noise
+            "workflows": len(es.workflows),
+            "requests_running": len(es.requests),
+            "blocks_tracked": len(es.recency),
+            "blocks_owned": len(es.owners),
+            "gpu_resident_blocks": len(es.resident["gpu"]),
+            "host_resident_blocks": len(es.resident["host"]),
+            "predictor_workflows": len(service.predictor.active()),
+            "prediction_log_workflows": len(service.predictions),
+        }
         policy = service.engine.policy.name
         snap = service.snapshot
     ic = service.queue.counters
@@ -85,6 +96,7 @@ def stats(service: Service) -> dict[str, Any]:
         "ingest_queue_frames": len(service.queue),
         "ingest_queue_depth": service.queue.depth,
         "workflows_active": workflows_active,
+        "state_sizes": state_sizes,
         "requests": c.get("requests", 0),
         "prompt_blocks": prompt,
         "gpu_hit_blocks": gpu,
