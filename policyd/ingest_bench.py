@@ -529,6 +529,7 @@ def _sample(t_s: float, st: dict[str, Any], pid: int, load_1m: float) -> dict[st
         "ingest_queue_depth": st["ingest_queue_depth"],
         "history_queue_rows": st["history"]["queue_rows"],
         "history_db_bytes": st["history"]["db_bytes"],
+        "duckdb_memory_mib": (st["history"].get("duckdb_memory_bytes") or 0) / 2**20,
         "requests": st["requests"],
         "state": st["state_sizes"],
         "load_1m": load_1m,
@@ -588,8 +589,11 @@ def plot_rss(r: dict[str, Any], path: Path) -> None:
     t = [p["t_s"] for p in series]
     fig = Figure(figsize=(8, 7.5))
     top, middle, bottom = fig.subplots(3, 1, sharex=True)
-    top.plot(t, [p["rss_mib"] for p in series], marker=".", color="tab:blue")
-    top.set_ylabel("daemon RSS (MiB)")
+    top.plot(t, [p["rss_mib"] for p in series], marker=".", color="tab:blue", label="RSS")
+    top.plot(t, [p.get("duckdb_memory_mib", 0.0) for p in series], color="tab:gray",
+             label="of which DuckDB's buffer pool (capped by memory_limit)")  # fmt: skip
+    top.legend(fontsize=7, loc="lower right")
+    top.set_ylabel("daemon memory (MiB)")
     top.set_ylim(bottom=0)
     top.grid(alpha=0.3)
     held = {  # what the daemon holds in memory, in thousands

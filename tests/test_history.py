@@ -238,6 +238,9 @@ def test_a_full_queue_drops_and_counts_without_blocking(tmp_path: Path) -> None:
         h.flush()
         assert h.query_live("SELECT count(*) FROM decisions") == [(90,)]
         assert h.stats()["queue_rows"] == 0
+        # the first write read DuckDB's own memory use: a table's blocks in its buffer pool
+        memory = h.stats()["duckdb_memory_bytes"]
+        assert isinstance(memory, int) and memory > 0
     assert not h.record("decisions", [{"ts": NOW, "kind": "evict"}])  # closed: dropped, counted
 
 

@@ -129,6 +129,7 @@ class _Call:
 
 
 _STOP: Final = object()
+MEMORY_PROBE_S: Final = 5.0  # seconds between readings of DuckDB's own memory (~10 ms each)
 
 
 class History:
@@ -150,6 +151,8 @@ class History:
         self._last_retention_ts: float | None = None
         self._last_error: str | None = None
         self._flushes = 0
+        self._duckdb_memory_bytes: int | None = None  # DuckDB's buffer pool use, last read
+        self._memory_probed_s = -1e18
         self._conn: duckdb.DuckDBPyConnection | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -281,6 +284,7 @@ class History:
             "snapshot_path": str(self.config.resolved_snapshot_path),
             "db_path": str(path),
             "db_bytes": path.stat().st_size if path.exists() else 0,
+            "duckdb_memory_bytes": self._duckdb_memory_bytes,
             "writer_alive": self._thread is not None and self._thread.is_alive(),
         }
 
@@ -358,6 +362,22 @@ class History:
                 self._queued_rows -= estimate
             self._flushes += 1
             self._last_flush_ts = self.clock()
+            self._probe_memory()
+
+    def _probe_memory(self) -> None:
+        """Read DuckDB's memory use (capped by ``memory_limit``) now and then, so that the
+        daemon's RSS can be split into DuckDB's part and the rest."""
+        now = time.monotonic()
+        if now - self._memory_probed_s < MEMORY_PROBE_S or self._conn is None:
+            return
+        self._memory_probed_s = now
+        try:
+            row = self._conn.execute(
+                "SELECT sum(memory_usage_bytes) FROM duckdb_memory()"
+            ).fetchone()
+        except duckdb.Error:
+            return
+        self._duckdb_memory_bytes = int(row[0] or 0) if row else None
 
     def _write(self, pending: Pending) -> None:
         for table, chunks in pending.chunks.items():
