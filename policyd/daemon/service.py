@@ -31,6 +31,7 @@ import msgspec
 import zmq
 
 from policyd.daemon import checkpoint, views
+from policyd.daemon.heap import release_free_heap
 from policyd.daemon.ingest import IngestQueue, Receiver
 from policyd.daemon.kv_events import KvEventSubscriber
 from policyd.daemon.metrics import Metrics
@@ -205,6 +206,7 @@ class Service:
         self.snapshot: PolicySnapshot | None = None
         self.snapshot_published_s: float | None = None
         self.snapshots_published = 0
+        self.heap_trims = 0  # malloc_trim calls that released memory
         self._pin_stage: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
         self.history = History(
             HistoryConfig(
@@ -673,6 +675,9 @@ class Service:
             "publish": self._publish_job,
             "checkpoint": self._checkpoint_job,
         }
+        if s.heap_trim_interval_s > 0:
+            due["heap_trim"] = now + s.heap_trim_interval_s
+            jobs["heap_trim"] = self._heap_trim_job
         while not self._stop.wait(0.1):
             now = self.clock()
             for name, when in list(due.items()):
@@ -693,6 +698,7 @@ class Service:
             "sizing": s.sizing_interval_s,
             "publish": self.float_setting("history_publish_interval_s"),
             "checkpoint": s.checkpoint_interval_s,
+            "heap_trim": s.heap_trim_interval_s,
         }[name]
 
     def _publish_job(self) -> None:
@@ -700,6 +706,9 @@ class Service:
 
     def _checkpoint_job(self) -> None:
         self.save_checkpoint()
+
+    def _heap_trim_job(self) -> None:
+        self.heap_trims += release_free_heap()
 
     def _sizing_job(self) -> None:
         self.refresh_sizing()

@@ -108,6 +108,13 @@ class DaemonSettings:
     tick_interval_s: float = field(
         default=1.0, metadata={"help": "Seconds between idle-workflow checks (engine.tick)."}
     )
+    heap_trim_interval_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "Seconds between returns of freed heap to the OS (glibc malloc_trim), so "
+            "RSS falls back after a burst; 0 turns it off."
+        },
+    )
     idle_timeout_s: float = field(
         default=600.0, metadata={"help": "A workflow idle this long is inferred finished."}
     )
@@ -161,6 +168,8 @@ class DaemonSettings:
             )
         if self.profile not in PROFILES:
             raise ValueError(f"unknown profile {self.profile!r}; valid: {', '.join(PROFILES)}")
+        if self.heap_trim_interval_s < 0:
+            raise ValueError("heap_trim_interval_s must be >= 0 (0 turns it off)")
         if self.shed_above_frames >= self.ingest_queue_frames:
             raise ValueError("shed_above_frames must be below ingest_queue_frames")
 

@@ -65,6 +65,7 @@ def stats(service: Service) -> dict[str, Any]:
             "host_resident_blocks": len(es.resident["host"]),
             "predictor_workflows": len(service.predictor.active()),
             "prediction_log_workflows": len(service.predictions),
+            "heap_trims": service.heap_trims,
         }
         policy = service.engine.policy.name
         snap = service.snapshot

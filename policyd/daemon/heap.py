@@ -1,0 +1,37 @@
+"""Handing freed heap memory back to the operating system.
+
+The daemon's threads (ingest, engine, history writer, HTTP) allocate and free many small
+objects; glibc keeps freed memory in per-thread arenas and returns it only from the top of
+each heap, so after a burst (a backlog of queued frames, a large history flush) RSS stays at
+the burst's high-water mark although Python has freed the objects. ``malloc_trim(0)`` (glibc,
+``man 3 malloc_trim``) releases the free pages of every arena. It is called now and then from
+the housekeeping thread; on a C library without it this is a no-op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+from collections.abc import Callable
+from functools import cache
+
+log = logging.getLogger(__name__)
+
+
+@cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        trim: Callable[[int], int] = libc.malloc_trim
+    except (OSError, AttributeError, TypeError):
+        log.info("malloc_trim is not available here: freed heap stays with the process")
+        return None
+    return trim
+
+
+def release_free_heap() -> bool:
+    """Return free heap pages to the OS; ``True`` when the C library did (glibc)."""
+    trim = _malloc_trim()
+    return bool(trim(0)) if trim is not None else False
