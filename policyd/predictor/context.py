@@ -53,14 +53,15 @@ def split_hints(hints: Mapping[str, HintValue]) -> tuple[Features, Features]:
     integers: list[tuple[str, int]] = []
     isfinite = math.isfinite
     for key, value in hints.items():
-        if type(value) is int:  # the exact types first (one test each), subclasses below
-            numeric[key] = float(value)
-            integers.append((key, value))
-        elif type(value) is float:
-            if isfinite(value):
-                numeric[key] = value
-        elif type(value) is str:
-            onehot[f"{key}={value}"] = 1.0
+        kind = type(value)
+        if kind is int:  # the exact types first (one test each), subclasses below
+            numeric[key] = float(value)  # type: ignore[arg-type]
+            integers.append((key, value))  # type: ignore[arg-type]
+        elif kind is float:
+            if isfinite(value):  # type: ignore[arg-type]
+                numeric[key] = value  # type: ignore[assignment]
+        elif kind is str:
+            onehot[_onehot_name(key, value)] = 1.0  # type: ignore[arg-type]
         elif value is None:
             continue
         elif isinstance(value, bool):
@@ -72,12 +73,42 @@ def split_hints(hints: Mapping[str, HintValue]) -> tuple[Features, Features]:
             if isfinite(value):
                 numeric[key] = value
         elif isinstance(value, str):
-            onehot[f"{key}={value}"] = 1.0
-    integers = sorted(integers)[:MAX_INT_HINTS]
-    for i, (a, x) in enumerate(integers):
-        for b, y in integers[i + 1 :]:
-            numeric[f"{a}-{b}"] = float(x - y)
+            onehot[_onehot_name(key, value)] = 1.0
+    if len(integers) > 1:
+        integers.sort()
+        del integers[MAX_INT_HINTS:]
+        names = _PAIR_NAMES.get(tuple([key for key, _ in integers]))
+        if names is None:
+            names = _pair_names(tuple([key for key, _ in integers]))
+        values = [value for _, value in integers]
+        for i, j, name in names:
+            numeric[name] = float(values[i] - values[j])
     return numeric, onehot
+
+
+_PAIR_NAMES: dict[tuple[str, ...], tuple[tuple[int, int, str], ...]] = {}
+_ONEHOT_NAMES: dict[tuple[str, str], str] = {}
+_MAX_NAMES: Final = 10_000  # names cached (bounded: hint names and values come from requests)
+
+
+def _pair_names(keys: tuple[str, ...]) -> tuple[tuple[int, int, str], ...]:
+    """The difference features of integer hints ``keys`` (sorted): (i, j, "keys[i]-keys[j]")
+    for i < j, in the order the pairs are added; built once per set of keys."""
+    if len(_PAIR_NAMES) >= _MAX_NAMES:
+        _PAIR_NAMES.clear()
+    names = _PAIR_NAMES[keys] = tuple(
+        (i, j, f"{a}-{b}") for i, a in enumerate(keys) for j, b in enumerate(keys) if j > i
+    )
+    return names
+
+
+def _onehot_name(key: str, value: str) -> str:
+    name = _ONEHOT_NAMES.get((key, value))
+    if name is None:
+        if len(_ONEHOT_NAMES) >= _MAX_NAMES:
+            _ONEHOT_NAMES.clear()
+        name = _ONEHOT_NAMES[key, value] = f"{key}={value}"
+    return name
 
 
 def sigmoid(margin: float) -> float:

@@ -39,13 +39,16 @@ from policyd.predictor.context import ContextModel, Features, split_hints
 from policyd.predictor.forecast import END, START, Forecast, random_forecast
 from policyd.predictor.mixture import Mixture
 from policyd.predictor.position import RANKS, PathFeatures, Position, counted_features
-from policyd.predictor.rollout import rollout
 from policyd.predictor.tracking import Tracker
 from policyd.types import HintValue
 
 EXPERTS = ("markov", "copy", "context")
 OTHER = "other"  # the copy expert's label for "not one of the recent agents"
 _RANKS = tuple(f"r{j}" for j in range(1, RANKS + 1))  # its labels for the recent agents
+
+
+def _first(child: tuple[float, str, Position]) -> float:
+    return child[0]
 
 
 @dataclass(slots=True)
@@ -76,6 +79,7 @@ class _Structure:
     markov_p: list[float]  # per candidate, markov's / copy's probability
     copy_p: list[float]
     paths: dict[tuple[int, ...], _Path] = field(default_factory=dict)
+    agents: tuple[str, ...] = ()  # the candidates but END (their call counts name a path)
 
 
 @dataclass(slots=True)
@@ -100,6 +104,7 @@ class _Hints:
     crossed: dict[str, tuple[Features, float]] = field(default_factory=dict)  # label -> margin
     keys: tuple[str, ...] = ()  # the features with a value (zeros add nothing to a margin)
     values: tuple[float, ...] = (1.0,)  # the bias' 1.0, then those features' values
+    margins: dict[str, float] = field(default_factory=dict)  # label -> the margin alone
 
 
 @dataclass(slots=True)
@@ -320,10 +325,12 @@ class Predictor:
                 model.context.version = 0
                 model.structures.clear()
                 legacy = True
+            if not all(hasattr(s, "agents") for s in model.structures.values()):
+                model.structures.clear()  # (pickled before structures named their agents)
         for workflow in self._workflows.values():
             hints = workflow.hints
-            if legacy or (hints is not None and not hasattr(hints, "keys")):
-                workflow.node = workflow.hints = None  # (hints pickled before keys existed)
+            if legacy or (hints is not None and not hasattr(hints, "margins")):
+                workflow.node = workflow.hints = None  # (hints pickled before margins existed)
 
     def active(self) -> list[str]:
         return list(self._workflows)
@@ -416,6 +423,7 @@ class Predictor:
             copy_keys,
             [markov.get(label, 0.0) for label in labels],
             [copy.get(label, 0.0) for label in labels],
+            agents=tuple(labels[:-1]),
         )
         if len(model.structures) >= self.max_cache:
             model.structures.clear()
@@ -424,9 +432,13 @@ class Predictor:
 
     def _hints(self, position: Position, context: ContextModel) -> _Hints:
         features = context.hint_features(position.numeric, position.onehot)
-        keys = tuple([feature for feature, value in features.items() if value])
-        values = (1.0, *[value for value in features.values() if value])
-        return _Hints(position.numeric, features, {}, keys, values)
+        if all(features.values()):  # (the usual case: every hint has a value)
+            keys = tuple(features)
+            values = (1.0, *features.values())
+        else:
+            keys = tuple([feature for feature, value in features.items() if value])
+            values = (1.0, *[value for value in features.values() if value])
+        return _Hints(position.numeric, features, {}, keys, values, {})
 
     def _evaluate(self, position: Position, hints: _Hints) -> _Node:
         """The fused one-step distribution at ``position`` (whose hints are ``hints``).
@@ -436,8 +448,7 @@ class Predictor:
         and their dot products are cached per (structure, path) and the dot products are
         recomputed only when the weights have changed since: the same numbers, less work."""
         self._nodes += 1
-        kind = position.kind
-        model = self._types.get(kind) or self._type(kind)
+        model = self._types.get(position.kind) or self._type(position.kind)
         run = position.run
         structure = model.structures.get(
             (position.history[-self.order :], run if run < 3 else 3, position.recent)
@@ -445,39 +456,33 @@ class Predictor:
         learns = model.learns
         if structure is None or learns - structure.version > min(self.refresh, learns // 10):
             structure = self._structure(position, model)
-        context = model.context
         labels = structure.labels
         # the path: position, run and the candidate agents' call counts (END is last)
-        key = (position.pos, run, *map(position.calls.get, labels[:-1], repeat(0)))
-        path = structure.paths.get(key)
-        if path is None:
-            relative = [
-                self._path(position, label, counted)
-                for label, counted in zip(labels, structure.relative, strict=True)
-            ]
-            path = _Path(relative, [], -1)
-            if len(structure.paths) >= self.max_paths:
-                structure.paths.clear()
-            if self.max_paths:
-                structure.paths[key] = path
+        key = (position.pos, run, *map(position.calls.get, structure.agents, repeat(0)))
+        path = structure.paths.get(key) or self._new_path(position, structure, key)
+        context = model.context
         version = context.version
         if path.version != version:
             path.dots = list(map(context.dot(), path.relative))
             path.version = version
-        crossed = hints.crossed
+        margins = hints.margins
         exp = math.exp
         scores: list[float] = []
+        append = scores.append
         for label, relative_margin in zip(labels, path.dots, strict=True):
-            part = crossed.get(label) or self._crossed(context, hints, label)
-            margin = part[1] + relative_margin
+            hint_margin = margins.get(label)
+            if hint_margin is None:
+                hint_margin = self._crossed(context, hints, label)[1]
+            margin = hint_margin + relative_margin
             if margin >= 0.0:  # context.sigmoid, inlined: it runs for every candidate
-                scores.append(1.0 / (1.0 + exp(-margin)))
+                append(1.0 / (1.0 + exp(-margin)))
             else:
                 e = exp(margin)
-                scores.append(e / (1.0 + e))
+                append(e / (1.0 + e))
         total = sum(scores)
-        w_markov, w_copy, w_context = model.mixture.weights(position.history[-1])
         qs = [score / total for score in scores]
+        mixture = model.mixture
+        w_markov, w_copy, w_context = mixture._local.get(position.history[-1]) or mixture.typewide
         probs = [
             w_markov * m + w_copy * c + w_context * q
             for m, c, q in zip(structure.markov_p, structure.copy_p, qs, strict=True)
@@ -485,6 +490,19 @@ class Predictor:
         norm = sum(probs)
         probs = [p / norm for p in probs]
         return _Node(structure, labels, probs, qs, path.relative, scores)
+
+    def _new_path(self, position: Position, structure: _Structure, key: tuple[int, ...]) -> _Path:
+        """The candidates' complete relative features at a path not cached yet."""
+        relative = [
+            self._path(position, label, counted)
+            for label, counted in zip(structure.labels, structure.relative, strict=True)
+        ]
+        path = _Path(relative, [], -1)
+        if len(structure.paths) >= self.max_paths:
+            structure.paths.clear()
+        if self.max_paths:
+            structure.paths[key] = path
+        return path
 
     @staticmethod
     def _crossed(context: ContextModel, hints: _Hints, label: str) -> tuple[Features, float]:
@@ -494,6 +512,7 @@ class Predictor:
             names = context.crossed_names(label, hints.keys)
             features = dict(zip(names, hints.values, strict=True))
             part = hints.crossed[label] = (features, context.hint_margin(features))
+            hints.margins[label] = part[1]
         return part
 
     def _copy_distribution(
@@ -524,16 +543,75 @@ class Predictor:
     # -- K steps -------------------------------------------------------------------------------
 
     def _rollout(self, position: Position, node: _Node, hints: _Hints) -> Forecast:
+        """``rollout.rollout`` with ``_evaluate`` as its step, inlined: the same arithmetic in
+        the same order (the same forecasts), without a call per step through a closure. Step
+        1 is the node itself (one path of mass 1, scaled by 1: its probabilities as they are).
+        """
         self._forecasts += 1
-        return rollout(
-            position,
-            node,
-            lambda child: self._evaluate(child, hints),
-            k=self.k,
-            beam=self.beam,
-            min_branch=self.min_branch,
-            order=self.order,
-        )
+        k, min_branch = self.k, self.min_branch
+        labels, probs = node.labels, node.probs
+        joint = dict(zip(labels, probs, strict=True))
+        ended = min(1.0, joint.pop(END, 0.0))
+        alive = [1.0 - ended]
+        total = sum(joint.values())
+        agents = [{label: q / total for label, q in joint.items()} if total > 0.0 else {}]
+        if k > 1:
+            children = [
+                (q, label, position)
+                for label, q in zip(labels, probs, strict=True)
+                if q >= min_branch and label != END
+            ]
+            if children:
+                self._roll_on(children, hints, agents, alive, ended)
+        while len(alive) < k:  # nothing left to expand: the last step's view carries over
+            agents.append(dict(agents[-1]))
+            alive.append(alive[-1])
+        return Forecast(agents, alive)
+
+    def _roll_on(
+        self,
+        children: list[tuple[float, str, Position]],
+        hints: _Hints,
+        agents: list[dict[str, float]],
+        alive: list[float],
+        ended: float,
+    ) -> None:
+        """Steps 2..K of ``_rollout``: expand the ``beam`` likeliest ``children`` of the step
+        before, mix their one-step distributions, and so on."""
+        k, beam, min_branch, order = self.k, self.beam, self.min_branch, self.order
+        evaluate = self._evaluate
+        for index in range(1, k):
+            if len(children) > 1:
+                children.sort(key=_first, reverse=True)
+            paths = []
+            for p, label, here in children[:beam]:
+                child = here.then(label, order)
+                step = evaluate(child, hints)
+                paths.append((p, step.labels, step.probs, child))
+            mass = sum([path[0] for path in paths])
+            scale = (1.0 - ended) / mass if mass > 0.0 else 0.0
+            joint: dict[str, float] = {}
+            children = []
+            last = index + 1 == k
+            for p, labels, probs, here in paths:
+                ps = p * scale
+                pqs = [ps * q for q in probs]  # P(path) x P(label | path)
+                if not joint:  # (a node's labels are distinct)
+                    joint = dict(zip(labels, pqs, strict=True))
+                else:
+                    get = joint.get
+                    for label, pq in zip(labels, pqs, strict=True):
+                        joint[label] = get(label, 0.0) + pq
+                if not last:
+                    for label, pq in zip(labels, pqs, strict=True):
+                        if pq >= min_branch and label != END:
+                            children.append((pq, label, here))
+            ended = min(1.0, ended + joint.pop(END, 0.0))
+            alive.append(1.0 - ended)
+            total = sum(joint.values())
+            agents.append({label: pq / total for label, pq in joint.items()} if total > 0.0 else {})
+            if not children:
+                return
 
     def _noisy(self, kind: str, forecast: Forecast) -> Forecast:
         if self.noise and self._rng.random() < self.noise:

@@ -36,8 +36,9 @@ class Mixture:
 
     def learn(self, last: str, said: list[float]) -> None:
         """``said``: each expert's probability of the label that followed ``last``."""
-        self._local[last] = self._step(self._local.get(last, self.typewide), said)
-        self.typewide = self._step(self.typewide, said)
+        step = self._step3 if self.n == 3 and len(said) == 3 else self._step
+        self._local[last] = step(self._local.get(last, self.typewide), said)
+        self.typewide = step(self.typewide, said)
 
     def reset(self) -> None:
         self.typewide = [1.0 / self.n] * self.n
@@ -54,3 +55,15 @@ class Mixture:
         floor = self.floor / self.n
         keep = 1.0 - self.floor
         return [keep * w / norm + floor for w in new]
+
+    def _step3(self, weights: list[float], said: list[float]) -> list[float]:
+        """``_step`` for three experts, unrolled: the same operations in the same order."""
+        w0, w1, w2 = weights
+        s0, s1, s2 = said
+        rate = self.rate / (w0 * s0 + w1 * s1 + w2 * s2 or 1e-12)
+        exp = math.exp
+        n0, n1, n2 = w0 * exp(rate * s0), w1 * exp(rate * s1), w2 * exp(rate * s2)
+        norm = n0 + n1 + n2
+        floor = self.floor / 3
+        keep = 1.0 - self.floor
+        return [keep * n0 / norm + floor, keep * n1 / norm + floor, keep * n2 / norm + floor]

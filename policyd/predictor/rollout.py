@@ -7,6 +7,9 @@ call counts, run length) and the one-step model is asked again. Continuations no
 assumed to behave like the expanded ones on average (their mass is spread in proportion).
 ``END`` absorbs: P(alive) at step k is one minus the mass that reached ``END`` by then, so it
 never increases.
+
+``Predictor`` runs this same computation inlined (``Predictor._rollout``, no closure call per
+step); this function is the reference its tests compare it with, forecast by forecast.
 """
 
 from __future__ import annotations
