@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import pickle
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from hypothesis import given, settings
@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from policyd.predictor import END, Forecast, Predictor, context, mixture, rollout, tracking
 from policyd.predictor_eval import interleave
 from policyd.types import HintValue
+from policyd.workload import Call
 from policyd.workloads.pbkv import code_writing, fact_checking
 
 T = TypeVar("T")
@@ -148,20 +149,20 @@ def test_the_tracker_scores_the_forecasts_top_label(
         assert tracker._window[step - 1][-1] == (label, forecast.top(step))
 
 
-def _without(obj: T, name: str) -> T:
-    """A copy of slotted ``obj`` with attribute ``name`` never set (as unpickled from a
-    version that did not have it)."""
+def _without(obj: T, *names: str) -> T:
+    """A copy of slotted ``obj`` with attributes ``names`` never set (as unpickled from a
+    version that did not have them)."""
     copy = type(obj).__new__(type(obj))
     for slot in type(obj).__slots__:  # type: ignore[attr-defined]
-        if slot != name:
+        if slot not in names:
             setattr(copy, slot, getattr(obj, slot))
     return copy
 
 
 def test_a_checkpoint_from_before_the_cached_agents_and_margins_still_forecasts() -> None:
-    """A predictor pickled before count-model views named their agents and hints kept their
-    margins: those caches are dropped on restore and rebuilt from the learnt state (the
-    forecasts are those of the same state with the caches emptied)."""
+    """A predictor pickled before count-model views named their agents and kept their back-off
+    Counts, and before hints kept their margins: those caches are dropped on restore and
+    rebuilt from the learnt state (the forecasts are those of that state, caches emptied)."""
     events = list(interleave(code_writing(seed=8, workflows=30), 8))
     original = Predictor(k=3)
     for call, pos, ended in events[:150]:
@@ -173,14 +174,17 @@ def test_a_checkpoint_from_before_the_cached_agents_and_margins_still_forecasts(
             args = (call.workflow_type, call.agent, call.hints, float(pos))
             original.observe_call(call.workflow_id, *args)
     legacy = pickle.loads(pickle.dumps(original))
+    for classifier in (legacy.markov, legacy.copy):
+        del classifier.generation
     for model in legacy._types.values():  # views as an older version pickled them
         for key, structure in list(model.structures.items()):
-            model.structures[key] = _without(structure, "agents")
+            model.structures[key] = _without(structure, "agents", "resolved")
     for workflow in legacy._workflows.values():
         if workflow.hints is not None:
             workflow.hints = _without(workflow.hints, "margins")
     restored = pickle.loads(pickle.dumps(legacy))
     assert all(not m.structures for m in restored._types.values())
+    assert restored.markov.generation == restored.copy.generation == 0
     # the same learnt state with those caches emptied by hand forecasts alike
     reference = pickle.loads(pickle.dumps(original))
     for model in reference._types.values():
@@ -192,3 +196,45 @@ def test_a_checkpoint_from_before_the_cached_agents_and_margins_still_forecasts(
             predictor._workflows[wid].forecast = None  # forecast afresh from that state
         assert restored.predict(wid) == reference.predict(wid)
     assert original.active()
+
+
+def _feed_side_by_side(
+    a: Predictor, b: Predictor, events: list[tuple[Call, int, bool]], before_b: Callable[[], None]
+) -> None:
+    for call, pos, ended in events:
+        before_b()
+        for predictor in (a, b):
+            if pos:
+                predictor.predict(call.workflow_id)
+            if ended:
+                predictor.observe_finished(call.workflow_id)
+            else:
+                args = (call.workflow_type, call.agent, call.hints, float(pos))
+                predictor.observe_call(call.workflow_id, *args)
+        if pos and not ended:
+            assert a.predict(call.workflow_id) == b.predict(call.workflow_id)
+
+
+def test_learning_from_kept_counts_equals_looking_them_up() -> None:
+    """Scenario: back-off tables small enough to be pruned every few dozen calls (contexts
+    dropped, ``generation`` bumped). A predictor that learns through the Counts its views kept
+    forecasts, and ends with the same tables, as one whose kept Counts are forgotten before
+    every call (so it looks every level up, creating what is missing)."""
+    kept, looked_up = Predictor(k=3), Predictor(k=3)
+    for predictor in (kept, looked_up):
+        predictor.markov.max_contexts, predictor.copy.max_contexts = 20, 10
+    events = list(interleave(code_writing(seed=9, workflows=60), 8))
+
+    def forget() -> None:
+        for model in looked_up._types.values():
+            for structure in model.structures.values():
+                structure.resolved = None
+
+    _feed_side_by_side(kept, looked_up, events, forget)
+    assert kept.markov.generation > 3  # pruned along the way
+    for a, b in ((kept.markov, looked_up.markov), (kept.copy, looked_up.copy)):
+        assert a.generation == b.generation
+        assert {k: (c.counts, c.total, c.order) for k, c in a._tables.items()} == {
+            k: (c.counts, c.total, c.order) for k, c in b._tables.items()
+        }
+    assert any(s.resolved is not None for m in kept._types.values() for s in m.structures.values())

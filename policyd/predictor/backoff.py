@@ -113,6 +113,9 @@ class BackoffClassifier(base.Classifier):
         self.max_contexts = max_contexts
         self._tables: dict[tuple[str, ...], Counts] = {}
         self._by_type: dict[str, list[Counts]] = {}
+        # bumped whenever contexts are dropped (``_prune``): a list of a context's Counts taken
+        # before (``learn_keys`` returns one) is stale then
+        self.generation = 0
 
     @property
     def _multiclass(self) -> bool:
@@ -155,15 +158,19 @@ class BackoffClassifier(base.Classifier):
         """``learn_one`` for string labels and features, typed."""
         self.learn_keys(self.context_keys(x), label)
 
-    def learn_keys(self, keys: Keys, label: str) -> None:
-        """``learn`` for a context whose ``keys`` were computed already (the fast path)."""
+    def learn_keys(self, keys: Keys, label: str) -> list[Counts]:
+        """``learn`` for a context whose ``keys`` were computed already (the fast path). Returns
+        the levels' Counts: ``learn_counts`` learns from the same context again without looking
+        them up, while ``generation`` is unchanged."""
         tables = self._tables
         max_count = self.max_count
+        resolved: list[Counts] = []
         for key, kind in keys:
             counts = tables.get(key)
             if counts is None:
                 counts = tables[key] = Counts(self.top)
                 self._by_type.setdefault(kind, []).append(counts)
+            resolved.append(counts)
             table = counts.counts  # Counts.add inlined for its usual case (the leader again)
             order = counts.order
             if order and order[0] == label:
@@ -175,6 +182,21 @@ class BackoffClassifier(base.Classifier):
                 counts.scale(0.5)
         if len(tables) > self.max_contexts:
             self._prune()
+        return resolved
+
+    def learn_counts(self, resolved: list[Counts], label: str) -> None:
+        """``learn_keys`` for a context whose levels' Counts it returned (same ``generation``):
+        the same updates, without hashing the levels' keys (no context is created)."""
+        max_count = self.max_count
+        for counts in resolved:
+            order = counts.order
+            if order and order[0] == label:
+                counts.counts[label] += 1.0
+                counts.total += 1.0
+            else:
+                counts.add(label)
+            if max_count and counts.total > max_count:
+                counts.scale(0.5)
 
     def _prune(self) -> None:
         """Halve every count; drop the contexts left with less than one observation."""
@@ -186,6 +208,7 @@ class BackoffClassifier(base.Classifier):
                 kept[key] = counts
                 by_type.setdefault(key[1] if key[0] == "t" else "", []).append(counts)
         self._tables, self._by_type = kept, by_type
+        self.generation = getattr(self, "generation", 0) + 1  # (pickled before it existed: 0)
 
     def distribution(self, x: Mapping[str, object]) -> dict[str, float]:
         """``predict_proba_one`` for string labels and features, typed."""

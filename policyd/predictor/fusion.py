@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
 
-from policyd.predictor.backoff import BackoffClassifier, Keys
+from policyd.predictor.backoff import BackoffClassifier, Counts, Keys
 from policyd.predictor.context import ContextModel, Features, split_hints
 from policyd.predictor.forecast import END, START, Forecast, random_forecast
 from policyd.predictor.mixture import Mixture
@@ -80,6 +80,9 @@ class _Structure:
     copy_p: list[float]
     paths: dict[tuple[int, ...], _Path] = field(default_factory=dict)
     agents: tuple[str, ...] = ()  # the candidates but END (their call counts name a path)
+    # the back-off levels' Counts of markov_keys / copy_keys with the classifiers' generations
+    # when taken (learning from this position again skips looking them up)
+    resolved: tuple[int, int, list[Counts], list[Counts]] | None = None
 
 
 @dataclass(slots=True)
@@ -319,14 +322,16 @@ class Predictor:
         whose fields this version reads: they are dropped and rebuilt on demand."""
         self.__dict__.update(state)
         self.__dict__.setdefault("max_paths", 256)
+        for classifier in (self.markov, self.copy):
+            classifier.__dict__.setdefault("generation", 0)
         legacy = False
         for model in self._types.values():
             if not hasattr(model.context, "version"):
                 model.context.version = 0
                 model.structures.clear()
                 legacy = True
-            if not all(hasattr(s, "agents") for s in model.structures.values()):
-                model.structures.clear()  # (pickled before structures named their agents)
+            if not all(hasattr(s, "resolved") for s in model.structures.values()):
+                model.structures.clear()  # (pickled before structures kept their Counts)
         for workflow in self._workflows.values():
             hints = workflow.hints
             if legacy or (hints is not None and not hasattr(hints, "margins")):
@@ -424,6 +429,7 @@ class Predictor:
             [markov.get(label, 0.0) for label in labels],
             [copy.get(label, 0.0) for label in labels],
             agents=tuple(labels[:-1]),
+            resolved=None if cached is None else cached.resolved,
         )
         if len(model.structures) >= self.max_cache:
             model.structures.clear()
@@ -659,14 +665,27 @@ class Predictor:
         if label != END and label not in model.known:
             model.known.add(label)
             model.agents.append(label)
-        self.markov.learn_keys(structure.markov_keys, label)
         recent = position.recent
         if label in recent:
             i = recent.index(label)
             rank = _RANKS[i] if i < len(_RANKS) else f"r{i + 1}"
         else:
             rank = OTHER
-        self.copy.learn_keys(structure.copy_keys, rank)
+        markov, copy = self.markov, self.copy
+        resolved = structure.resolved
+        if (
+            resolved is not None
+            and resolved[0] == markov.generation
+            and resolved[1] == copy.generation
+        ):
+            markov.learn_counts(resolved[2], label)
+            copy.learn_counts(resolved[3], rank)
+        else:
+            generations = markov.generation, copy.generation
+            markov_counts = markov.learn_keys(structure.markov_keys, label)
+            copy_counts = copy.learn_keys(structure.copy_keys, rank)
+            if generations == (markov.generation, copy.generation):  # (none dropped meanwhile)
+                structure.resolved = (*generations, markov_counts, copy_counts)
 
         # the context model: the true label as a positive, the most likely wrong one as a
         # negative; a step is skipped where the model is already sure (its gradient is ~0)
