@@ -15,6 +15,7 @@ from typing import TypeVar
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from river import preprocessing
 
 from policyd.predictor import END, Forecast, Predictor, context, mixture, rollout, tracking
 from policyd.predictor_eval import interleave
@@ -238,3 +239,26 @@ def test_learning_from_kept_counts_equals_looking_them_up() -> None:
             k: (c.counts, c.total, c.order) for k, c in b._tables.items()
         }
     assert any(s.resolved is not None for m in kept._types.values() for s in m.structures.values())
+
+
+def test_the_scaler_in_plain_dicts_scales_as_rivers_own() -> None:
+    """Scenario: hints whose names come and go (a feature first seen late, one seen in a
+    transform before it is ever learnt). The context model's scaler, its moments kept in plain
+    dicts, transforms and learns exactly as River's StandardScaler with its own containers."""
+    model = context.ContextModel()
+    river_own = preprocessing.StandardScaler()
+    rng = random.Random(4)
+    names = ["a", "b", "c", "d-e"]
+    for n in range(2_000):
+        present = [name for name in names[: 1 + n // 400] if rng.random() < 0.8]
+        numeric = {name: rng.choice((0.0, 1.0, rng.gauss(3.0, 2.0))) for name in present}
+        probe = {**numeric, "unseen": rng.random()} if n % 97 == 0 else numeric
+        expected = river_own.transform_one(probe)  # type: ignore[no-untyped-call]
+        assert model.hint_features(probe, {}) == expected
+        model.learn_hints(numeric)
+        river_own.learn_one(numeric)  # type: ignore[no-untyped-call]
+    assert model.scaler.means == dict(river_own.means)
+    assert model.scaler.vars == dict(river_own.vars)
+    assert "unseen" in model.scaler.vars and "unseen" not in model.scaler.counts
+    assert model.scaler.counts == dict(river_own.counts)
+    assert type(model.scaler.means) is dict

@@ -137,6 +137,11 @@ class ContextModel:
         self.learning_rate = learning_rate
         self.l2 = l2
         self.scaler = preprocessing.StandardScaler()
+        # River keeps the scaler's moments in a Counter and defaultdicts; in plain dicts the
+        # interpreter reads and writes them faster (its exact-dict fast paths), for the same
+        # River arithmetic. A feature's entries are added before River first reads them
+        # (``_seed``), with the values the defaults would give.
+        self.scaler.counts, self.scaler.means, self.scaler.vars = {}, {}, {}  # type: ignore[assignment]
         self.model = self._new_model()
         self.version = 0  # changes whenever the weights do (callers cache dot products by it)
         self._names: dict[tuple[str, str], str] = {}
@@ -161,13 +166,29 @@ class ContextModel:
 
     def hint_features(self, numeric: Features, onehot: Features) -> Features:
         """The hints' features: scaled numbers and one-hot strings."""
-        scaled: Features = self.scaler.transform_one(numeric)  # type: ignore[no-untyped-call]
+        scaler = self.scaler
+        if not numeric.keys() <= scaler.vars.keys():
+            for key in numeric:  # (River reads a feature's mean only once its variance is > 0)
+                scaler.vars.setdefault(key, 0.0)
+        scaled: Features = scaler.transform_one(numeric)  # type: ignore[no-untyped-call]
         if onehot:
             scaled.update(onehot)
         return scaled
 
     def learn_hints(self, numeric: Features) -> None:
-        self.scaler.learn_one(numeric)  # type: ignore[no-untyped-call]
+        scaler = self.scaler
+        if not numeric.keys() <= scaler.counts.keys():
+            self._seed(numeric)
+        scaler.learn_one(numeric)  # type: ignore[no-untyped-call]
+
+    def _seed(self, numeric: Features) -> None:
+        """Entries for the features of ``numeric`` the scaler has none for yet: a count of 0
+        and moments of 0.0, what River's Counter and defaultdicts read for a missing key."""
+        scaler = self.scaler
+        for key in numeric:
+            scaler.counts.setdefault(key, 0)
+            scaler.means.setdefault(key, 0.0)
+            scaler.vars.setdefault(key, 0.0)
 
     def crossed(self, candidate: str, hints: Features) -> Features:
         """The hint features crossed with ``candidate``'s name, and its bias."""

@@ -515,10 +515,15 @@ class Predictor:
         """The hint features crossed with ``label`` and their margin, once per forecast."""
         part = hints.crossed.get(label)
         if part is None:
-            names = context.crossed_names(label, hints.keys)
+            # context.crossed_names and context.hint_margin, their usual case inlined
+            names = context._crossed.get((label, hints.keys))
+            if names is None:
+                names = context.crossed_names(label, hints.keys)
             features = dict(zip(names, hints.values, strict=True))
-            part = hints.crossed[label] = (features, context.hint_margin(features))
-            hints.margins[label] = part[1]
+            model = context.model
+            margin = model._weights.dot(features) + float(model.intercept)
+            part = hints.crossed[label] = (features, margin)
+            hints.margins[label] = margin
         return part
 
     def _copy_distribution(
