@@ -599,7 +599,8 @@ class Predictor:
                 child = here.then(label, order)
                 step = evaluate(child, hints)
                 paths.append((p, step.labels, step.probs, child))
-            mass = sum([path[0] for path in paths])
+            # one path's mass is its probability (what sum gives: 0 + p is p)
+            mass = paths[0][0] if len(paths) == 1 else sum([path[0] for path in paths])
             scale = (1.0 - ended) / mass if mass > 0.0 else 0.0
             joint: dict[str, float] = {}
             children = []
