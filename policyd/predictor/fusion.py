@@ -92,7 +92,7 @@ class _Node:
     structure: _Structure
     labels: list[str]  # the structure's candidates
     probs: list[float]  # fused, per candidate, sums to 1
-    context: list[float]  # the context expert's distribution over the candidates
+    context: list[float]  # the context expert's distribution over the candidates (roll-out: [])
     relative: list[Features]  # per candidate, complete
     scores: list[float]  # the context model's own P(candidate is next), before normalising
 
@@ -446,13 +446,14 @@ class Predictor:
             values = (1.0, *[value for value in features.values() if value])
         return _Hints(position.numeric, features, {}, keys, values, {})
 
-    def _evaluate(self, position: Position, hints: _Hints) -> _Node:
+    def _evaluate(self, position: Position, hints: _Hints, learning: bool = True) -> _Node:
         """The fused one-step distribution at ``position`` (whose hints are ``hints``).
 
         The context model's score of a candidate is a hint part (once per forecast, in
         ``hints``) plus a relative part that depends on the path only; the relative features
         and their dot products are cached per (structure, path) and the dot products are
-        recomputed only when the weights have changed since: the same numbers, less work."""
+        recomputed only when the weights have changed since: the same numbers, less work.
+        Without ``learning`` (a roll-out step) the node's ``context`` is left empty."""
         self._nodes += 1
         model = self._types.get(position.kind) or self._type(position.kind)
         run = position.run
@@ -486,13 +487,20 @@ class Predictor:
                 e = exp(margin)
                 append(e / (1.0 + e))
         total = sum(scores)
-        qs = [score / total for score in scores]
         mixture = model.mixture
         w_markov, w_copy, w_context = mixture._local.get(position.history[-1]) or mixture.typewide
-        probs = [
-            w_markov * m + w_copy * c + w_context * q
-            for m, c, q in zip(structure.markov_p, structure.copy_p, qs, strict=True)
-        ]
+        if learning:
+            qs = [score / total for score in scores]
+            probs = [
+                w_markov * m + w_copy * c + w_context * q
+                for m, c, q in zip(structure.markov_p, structure.copy_p, qs, strict=True)
+            ]
+        else:  # a roll-out step: the context expert's own distribution is not kept
+            qs = []
+            probs = [
+                w_markov * m + w_copy * c + w_context * (score / total)
+                for m, c, score in zip(structure.markov_p, structure.copy_p, scores, strict=True)
+            ]
         norm = sum(probs)
         probs = [p / norm for p in probs]
         return _Node(structure, labels, probs, qs, path.relative, scores)
@@ -597,7 +605,7 @@ class Predictor:
             paths = []
             for p, label, here in children[:beam]:
                 child = here.then(label, order)
-                step = evaluate(child, hints)
+                step = evaluate(child, hints, False)
                 paths.append((p, step.labels, step.probs, child))
             # one path's mass is its probability (what sum gives: 0 + p is p)
             mass = paths[0][0] if len(paths) == 1 else sum([path[0] for path in paths])
