@@ -244,6 +244,22 @@ def test_a_full_queue_drops_and_counts_without_blocking(tmp_path: Path) -> None:
     assert not h.record("decisions", [{"ts": NOW, "kind": "evict"}])  # closed: dropped, counted
 
 
+def test_reading_duckdbs_memory_between_writes_leaves_the_connection_usable(
+    tmp_path: Path,
+) -> None:
+    """The memory probe after a write reads its result to the end: a half-read result makes
+    DuckDB refuse the next write's ``register`` on that connection (a bug once)."""
+    with History(config(tmp_path), clock=FakeClock()) as h:
+        for i in range(3):  # write, probe, write, ...
+            assert h.record("decisions", [{"ts": NOW + i, "kind": "evict"}] * 10)
+            h.flush()
+            h._memory_probed_s = -1e18  # probe after every write, not every 5 s
+        assert h.query_live("SELECT count(*) FROM decisions") == [(30,)]
+        stats = h.stats()
+        assert stats["rows_rejected"] == 0 and stats["last_error"] is None
+        assert isinstance(stats["duckdb_memory_bytes"], int)
+
+
 def test_snapshot_is_readable_by_plain_duckdb_while_the_writer_keeps_writing(
     tmp_path: Path,
 ) -> None:

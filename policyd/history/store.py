@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 import duckdb
 import pyarrow as pa  # type: ignore[import-untyped]
@@ -364,6 +364,14 @@ class History:
             self._last_flush_ts = self.clock()
             self._probe_memory()
 
+    def _first_row(self, sql: str, params: Sequence[object] = ()) -> tuple[Any, ...] | None:
+        """The first row of a statement on the writer's connection, its result read to the end:
+        DuckDB refuses any other work on a connection whose last result is unfinished
+        (``fetchone`` can leave one open), so a half-read result would fail every later write."""
+        assert self._conn is not None
+        rows = self._conn.execute(sql, list(params)).fetchall()
+        return tuple(rows[0]) if rows else None
+
     def _probe_memory(self) -> None:
         """Read DuckDB's memory use (capped by ``memory_limit``) now and then, so that the
         daemon's RSS can be split into DuckDB's part and the rest."""
@@ -372,9 +380,7 @@ class History:
             return
         self._memory_probed_s = now
         try:
-            row = self._conn.execute(
-                "SELECT sum(memory_usage_bytes) FROM duckdb_memory()"
-            ).fetchone()
+            row = self._first_row("SELECT sum(memory_usage_bytes) FROM duckdb_memory()")
         except duckdb.Error:
             return
         self._duckdb_memory_bytes = int(row[0] or 0) if row else None
@@ -448,10 +454,10 @@ class History:
         )
         self._conn.register("_policyd_updates", data)
         try:
-            row = self._conn.execute(
+            row = self._first_row(
                 f"UPDATE requests SET {sets} FROM _policyd_updates u "
                 "WHERE requests.request_id = u.request_id"
-            ).fetchone()
+            )
         except duckdb.Error as exc:
             self._reject(len(updates), "requests updates", exc)
             return
@@ -468,17 +474,17 @@ class History:
         cap = self.config.retention_rows
         for table in TABLES:
             if cutoff is not None:
-                row = self._conn.execute(f'DELETE FROM "{table}" WHERE ts < ?', [cutoff]).fetchone()
+                row = self._first_row(f'DELETE FROM "{table}" WHERE ts < ?', [cutoff])
                 deleted[table] += int(row[0]) if row else 0
             if cap is not None:
-                count = self._conn.execute(f'SELECT count(*) FROM "{table}"').fetchone()
+                count = self._first_row(f'SELECT count(*) FROM "{table}"')
                 excess = (int(count[0]) if count else 0) - cap
                 if excess > 0:
-                    row = self._conn.execute(
+                    row = self._first_row(
                         f'DELETE FROM "{table}" WHERE rowid IN (SELECT rowid FROM "{table}" '
                         "ORDER BY ts, rowid LIMIT ?)",
                         [excess],
-                    ).fetchone()
+                    )
                     deleted[table] += int(row[0]) if row else 0
         self._last_retention_ts = self.clock()
         return deleted
