@@ -504,6 +504,8 @@ def run_bench(
         / TARGET_BLOCK_EVENTS_PER_S,
         "history_rows_per_s": (hist_after - hist_before) / drained_s,
         "history_rows_dropped": after["history"]["rows_dropped"],
+        "history_rows_rejected": after["history"]["rows_rejected"],
+        "history_last_error": after["history"]["last_error"],
         "snapshot_latency_p50_ms": (_pct(latencies, 0.5) or 0) * 1000,
         "snapshot_latency_p99_ms": (_pct(latencies, 0.99) or 0) * 1000,
         "snapshots_received": len(latencies),
@@ -558,7 +560,8 @@ def render(r: dict[str, Any]) -> str:
         f"block events ({r['shed_block_events']:,}); frames "
         f"{r['frames_dropped']:,} cut at the hard bound; seq gaps {r['seq_gaps']}",
         f"  history rows written {r['history_rows_per_s']:,.0f} rows/s (block rows sampled at "
-        f"{r['block_sample_rate']}; dropped {r['history_rows_dropped']:,})",
+        f"{r['block_sample_rate']}; dropped {r['history_rows_dropped']:,}, rejected "
+        f"{r['history_rows_rejected']:,}; last error {r['history_last_error']})",
         f"  snapshot publish->receive p50 {r['snapshot_latency_p50_ms']:.2f} ms, p99 "
         f"{r['snapshot_latency_p99_ms']:.2f} ms ({r['snapshots_received']} snapshots)",
         f"  POST /api/decide/evict raw keep-alive p50 {d['raw_p50_ms']:.2f} ms, p99 "

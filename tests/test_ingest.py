@@ -218,6 +218,7 @@ def test_the_bench_drives_a_real_daemon_and_accounts_for_every_block_event(
     assert r["received_block_events"] == r["sent_block_events"]
     assert r["applied_block_events"] == r["received_block_events"]
     assert r["shed_block_events"] == 0 and r["frames_dropped"] == 0 and r["seq_gaps"] == 0
+    assert r["history_rows_rejected"] == 0 and r["history_last_error"] is None
     assert r["malformed_frames"] == 0 and r["rss_after_mib"] > 0
     assert len(r["rss_series"]) >= 3 and r["decision"]["requests"] == 20 + 5
     # a bench workflow ends after CALLS_PER_WORKFLOW calls and caches nothing of its own: the
