@@ -172,6 +172,11 @@ class PolicySnapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     A connector treats a snapshot older than ``ttl_s`` as absent and falls back to LRU with
     store-everything. Blocks not named in ``scores`` rank by recency among themselves, after
     every scored block whose score is below ``default_score``.
+
+    ``host_scores``, when given, orders the host tier instead of ``scores`` (same rules, same
+    ``default_score``): what is worth a host copy is not what is worth a GPU slot (a block the
+    GPU keeps needs no copy; one it drops next is the copy's use). ``None`` (the default):
+    ``scores`` orders both tiers.
     """
 
     version: int
@@ -184,6 +189,7 @@ class PolicySnapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     write_filter: WriteFilter = WriteFilter()
     pin: tuple[int, ...] = ()
     stage: tuple[int, ...] = ()
+    host_scores: tuple[ScoredBlocks, ...] | None = None
 
 
 # ---- the codec ---------------------------------------------------------------------------------

@@ -119,6 +119,8 @@ class Simulator:
         self._snapshot: PolicySnapshot | None = None
         self._events_at_snapshot = -1
         self._scores: dict[int, float] = {}
+        # the host tier's order: ``_scores`` unless the snapshot gives ``host_scores``
+        self._host_scores: dict[int, float] = self._scores
         self.gpu = GpuTier(
             gpu_blocks,
             self._queue("gpu"),
@@ -171,6 +173,14 @@ class Simulator:
         if ordering == "oracle":
             policy = self.policy
             return KeyedQueue(lambda blocks: policy.oracle_keys(tier, blocks))
+        if tier == "host":
+
+            def host_keys(blocks: Sequence[int]) -> list[float]:
+                default = self._default_score()
+                scores = self._host_scores  # rebound when a snapshot brings its own host order
+                return [scores.get(b, default) for b in blocks]
+
+            return KeyedQueue(host_keys)
         scores = self._scores
 
         def score_keys(blocks: Sequence[int]) -> list[float]:
@@ -200,6 +210,12 @@ class Simulator:
         self._scores.clear()
         for group in snap.scores:
             self._scores.update(dict.fromkeys(group.block_hashes, group.score))
+        if snap.host_scores is None:
+            self._host_scores = self._scores
+        else:
+            self._host_scores = {}
+            for group in snap.host_scores:
+                self._host_scores.update(dict.fromkeys(group.block_hashes, group.score))
         for queue in (self.gpu.queue, self.host.queue):
             if isinstance(queue, KeyedQueue):
                 queue.rekey()
