@@ -1,0 +1,133 @@
+"""agentkv's host-tier order: published apart from the GPU's (``PolicySnapshot.host_scores``),
+honoured by the simulator, carried by the codec; absent, both tiers follow ``scores``."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import msgspec
+import pytest
+
+from policyd.engine import EngineState
+from policyd.policies.agentkv import AgentKV
+from policyd.policies.base import Ordering, Policy
+from policyd.policies.pbkv import RETIRED_SCORE
+from policyd.sim.replay import SimConfig, Simulator
+from policyd.types import (
+    PROTOCOL_VERSION,
+    SNAPSHOT_CODEC,
+    BlocksStored,
+    PolicySnapshot,
+    ScoredBlocks,
+)
+from policyd.workloads import make_workload
+from tests.test_agentkv import finish, start, trained
+
+
+def _scores(groups: tuple[ScoredBlocks, ...] | None) -> dict[int, float]:
+    assert groups is not None
+    out: dict[int, float] = {}
+    for group in groups:
+        assert not set(group.block_hashes) & out.keys(), "a block said twice"
+        out.update(dict.fromkeys(group.block_hashes, group.score))
+    return out
+
+
+def test_the_host_order_raises_resident_copies_and_keeps_retired_blocks_lowest() -> None:
+    """Scenario: a live workflow whose planner prompt is half in the host tier, and a finished
+    workflow whose private blocks are retired. The host order gives the resident half 1.1x
+    the score of the other half; retired blocks are lowest in both orders."""
+    engine, policy, clock = trained()
+    blocks = start(engine, clock, "live.0", "live", agent="planner", private=(9001, 9002))
+    finish(engine, clock, "live.0", blocks)
+    engine.apply_event(
+        BlocksStored(ts=clock.now, tier="host", block_hashes=(9001,), request_id="live.0")
+    )
+    snap = engine.snapshot()
+    host = _scores(snap.host_scores)
+    assert host[9002] > 0 and host[9001] == pytest.approx(host[9002] * 1.1)
+    gpu = _scores(snap.scores)
+    assert gpu[9001] == gpu[9002]  # residency plays no part on the GPU
+    retired = set(policy.retired)
+    assert retired and all(host[b] == gpu[b] == RETIRED_SCORE for b in retired)
+
+
+def test_without_the_bonus_and_with_the_same_ranking_both_orders_agree() -> None:
+    engine, policy, clock = trained(host_residency_bonus=0.0, host_ranking="steps")
+    policy.min_accuracy = 1.01  # degraded: the GPU is ranked by steps too
+    blocks = start(engine, clock, "live.0", "live", agent="planner", private=(9001, 9002))
+    finish(engine, clock, "live.0", blocks)
+    snap = engine.snapshot()
+    assert policy.ranking == "steps"
+    assert _scores(snap.host_scores) == _scores(snap.scores)
+
+
+def test_admission_values_a_prompt_in_the_host_ranking() -> None:
+    """The value ``admit`` compares with what a write displaces is the host ranking's:
+    steps + lookahead under ``both``, steps alone under ``steps``."""
+    engine, policy, clock = trained()
+    blocks = start(engine, clock, "live.0", "live", agent="planner", private=(9001, 9002))
+    finish(engine, clock, "live.0", blocks)
+    engine.snapshot()
+    both = policy._reuse_value("live", "planner", engine.state)
+    policy.host_ranking = "steps"
+    steps = policy._reuse_value("live", "planner", engine.state)
+    policy.host_ranking = "lookahead"
+    ahead = policy._reuse_value("live", "planner", engine.state)
+    assert both is not None and steps is not None and ahead is not None
+    assert both == pytest.approx(steps + ahead) and ahead > 0
+
+
+def test_bad_host_parameters_are_refused() -> None:
+    with pytest.raises(ValueError, match="valid rankings"):
+        AgentKV(host_ranking="nope")
+    with pytest.raises(ValueError, match="host_residency_bonus"):
+        AgentKV(host_residency_bonus=-0.1)
+
+
+class TwoOrders(Policy):
+    """Block 1 first out of the GPU, block 2 first out of the host (``host`` False: one
+    order for both tiers, as every policy but agentkv publishes)."""
+
+    name: ClassVar[str] = "two-orders"
+    ordering: ClassVar[Ordering] = "snapshot"
+
+    def __init__(self, host: bool) -> None:
+        self.host = host
+
+    def snapshot(
+        self, state: EngineState, *, now: float, version: int, ttl_s: float
+    ) -> PolicySnapshot:
+        scores = (ScoredBlocks(1.0, (1,)), ScoredBlocks(2.0, (2,)))
+        host = (ScoredBlocks(2.0, (1,)), ScoredBlocks(1.0, (2,))) if self.host else None
+        return PolicySnapshot(
+            version=version, ts=now, ttl_s=ttl_s, policy=self.name, scores=scores, host_scores=host
+        )
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_the_simulator_orders_the_host_tier_by_host_scores_when_given(host: bool) -> None:
+    work = make_workload("code-writing", seed=0, workflows=1)
+    sim = Simulator(work, TwoOrders(host), SimConfig(gpu_blocks=4096, host_blocks=2))
+    sim._apply_snapshot()
+    sim.gpu.queue.push_many([1, 2])
+    sim.host.queue.push_many([1, 2])
+    assert sim.gpu.queue.pop_head() == 1
+    assert sim.host.queue.pop_head() == (2 if host else 1)
+
+
+def test_the_codec_carries_host_scores_and_reads_snapshots_without_them() -> None:
+    snap = PolicySnapshot(
+        version=3,
+        ts=1.0,
+        ttl_s=5.0,
+        policy="agentkv",
+        scores=(ScoredBlocks(1.0, (7, 8)),),
+        host_scores=(ScoredBlocks(0.5, (8,)), ScoredBlocks(2.0, (7,))),
+    )
+    assert SNAPSHOT_CODEC.decode(SNAPSHOT_CODEC.encode(snap)) == snap
+    # a frame from a sender that knows no host order
+    old = msgspec.msgpack.encode(
+        (PROTOCOL_VERSION, {"version": 1, "ts": 0.0, "ttl_s": 5.0, "policy": "pbkv"})
+    )
+    assert SNAPSHOT_CODEC.decode(old).host_scores is None
