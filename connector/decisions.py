@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from policyd.types import PolicySnapshot, WriteFilter
+from policyd.types import PolicySnapshot, ScoredBlocks, WriteFilter
 
 MAX_TRACKED_WORKFLOWS: Final = 4096  # ownership memory: the oldest workflows are forgotten
 
@@ -25,7 +25,8 @@ class SnapshotView:
     version: int
     policy: str
     scores: Mapping[int, float]
-    default_score: float
+    host_scores: Mapping[int, float]  # the host tier's order: ``scores`` unless the snapshot
+    default_score: float  # gives its own (``PolicySnapshot.host_scores``)
     retired_workflows: frozenset[str]
     write_filter: WriteFilter
     pin: tuple[int, ...]
@@ -33,14 +34,13 @@ class SnapshotView:
 
     @classmethod
     def of(cls, snap: PolicySnapshot) -> SnapshotView:
-        scores: dict[int, float] = {}
-        for group in snap.scores:
-            for block in group.block_hashes:
-                scores[block] = group.score
+        scores = _score_map(snap.scores)
+        host_scores = scores if snap.host_scores is None else _score_map(snap.host_scores)
         return cls(
             version=snap.version,
             policy=snap.policy,
             scores=scores,
+            host_scores=host_scores,
             default_score=snap.default_score,
             retired_workflows=frozenset(snap.retired_workflows),
             write_filter=snap.write_filter,
@@ -51,6 +51,14 @@ class SnapshotView:
     def score(self, block: int) -> float:
         """Lower = evict first; blocks the snapshot does not name get ``default_score``."""
         return self.scores.get(block, self.default_score)
+
+    def host_score(self, block: int) -> float:
+        """The same for the host tier, in the snapshot's host order when it gives one."""
+        return self.host_scores.get(block, self.default_score)
+
+
+def _score_map(groups: Iterable[ScoredBlocks]) -> dict[int, float]:
+    return {block: group.score for group in groups for block in group.block_hashes}
 
 
 def write_allowed(view: SnapshotView | None, new_blocks: int, staged: bool = False) -> bool:

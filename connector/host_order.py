@@ -3,7 +3,8 @@
 The order vLLM's ``CachePolicy`` delegates to (connector/vllm_adapter.py). With no snapshot every
 key has the same class and score, so the order *is* LRU, identical to vLLM's ``LRUCachePolicy``:
 a request's keys are ranked tail first, so its head (the shared prefix) stays longest. With a
-snapshot the priority of a key is ``(retired ? 0 : staged ? 2 : 1, score, recency rank)``.
+snapshot the priority of a key is ``(retired ? 0 : staged ? 2 : 1, score, recency rank)``, the
+score from the snapshot's host order (``host_scores``) when it gives one, else its ``scores``.
 
 Evictable keys sit in a lazy min-heap keyed by that priority; a new snapshot re-keys the heap in
 one O(n) pass, every other call is O(log n). ``evict`` is atomic: ``None`` and no change when it
@@ -70,7 +71,7 @@ class HostOrder(Generic[K]):
             cls = STAGED
         else:
             cls = NORMAL
-        return (cls, view.score(block), self._rank[key])
+        return (cls, view.host_score(block), self._rank[key])
 
     def _push(self, key: K) -> None:
         self._prio[key] = p = self._priority(key)

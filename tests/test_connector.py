@@ -215,6 +215,21 @@ def test_snapshot_order_retired_first_then_score_then_recency() -> None:
     assert order.peek_order() == [0, 1, 2, 5]  # stale snapshot: plain LRU again
 
 
+def test_a_snapshot_with_its_own_host_order_orders_the_host_tier_by_it() -> None:
+    order: HostOrder[int] = HostOrder(lambda k: k)
+    for key in range(4):
+        order.insert(key, evictable=True)
+    gpu = (ScoredBlocks(1.0, (0,)), ScoredBlocks(3.0, (1,)), ScoredBlocks(2.0, (2, 3)))
+    order.set_view(SnapshotView.of(snap(scores=gpu)))
+    assert order.peek_order() == [0, 2, 3, 1]  # no host order given: the GPU's
+    host = (ScoredBlocks(5.0, (0,)), ScoredBlocks(-1.0, (1,)))  # 2, 3 unnamed: default 0.0
+    view = SnapshotView.of(snap(scores=gpu, host_scores=host))
+    assert view.score(0) == 1.0 and view.host_score(0) == 5.0 and view.host_score(2) == 0.0
+    order.set_view(view)
+    assert order.peek_order() == [1, 2, 3, 0]
+    assert order.evict(1) == [1]
+
+
 def test_evict_is_atomic() -> None:
     order: HostOrder[int] = HostOrder(lambda k: k)
     for key in range(3):

@@ -310,3 +310,30 @@ def test_an_empty_prefetch_answer_is_logged_as_a_decision_with_its_reason(
     assert "does not prefetch" in empty["reason"] and "budget of 0" in zero["reason"]
     assert {r[4] for r in rows} == {"lru"}
     assert service.decision_counts["prefetch"] == 2
+
+
+@pytest.mark.parametrize(("policy", "own_host_order"), [("agentkv", True), ("lru", False)])
+def test_stats_count_the_blocks_of_the_snapshots_own_host_order(
+    tmp_path: Path, policy: str, own_host_order: bool
+) -> None:
+    service = Service(settings_for(tmp_path, policy=policy))
+    service.history.start()
+    try:
+        prompt = tuple(range(1, 9))
+        events = (
+            RequestStarted(ts=0.0, request_id="r1", workflow_id="w1", agent="a",
+                           block_hashes=prompt, prompt_tokens=16 * len(prompt)),
+            BlocksStored(ts=0.0, tier="gpu", block_hashes=prompt, request_id="r1"),
+            BlocksStored(ts=0.0, tier="host", block_hashes=prompt[:4], request_id="r1"),
+            RequestFinished(ts=0.0, request_id="r1"),
+        )  # fmt: skip
+        service.engine.apply(EventBatch("c", 1, events))
+        snap = service.build_snapshot()
+        scored = views.stats(service)["snapshot"]["host_blocks_scored"]
+    finally:
+        service.history.close()
+    if own_host_order:  # agentkv orders the host tier on its own: its copies are ranked
+        assert snap.host_scores is not None
+        assert scored == sum(len(g.block_hashes) for g in snap.host_scores) > 0
+    else:  # scores order both tiers
+        assert snap.host_scores is None and scored is None

@@ -119,6 +119,10 @@ def stats(service: Service) -> dict[str, Any]:
             else None,
             "published": service.snapshots_published,
             "blocks_scored": sum(len(g.block_hashes) for g in snap.scores) if snap else 0,
+            # the host tier's own order, when the policy gives one (agentkv); else null
+            "host_blocks_scored": sum(len(g.block_hashes) for g in snap.host_scores)
+            if snap and snap.host_scores is not None
+            else None,
         },
         "history": service.history.stats(),
         "checkpoint": dict(service.checkpoint_info),
