@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import pickle
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TypeVar
 
 from hypothesis import given, settings
@@ -20,8 +20,8 @@ from river import preprocessing
 from policyd.predictor import END, Forecast, Predictor, context, mixture, rollout, tracking
 from policyd.predictor_eval import interleave
 from policyd.types import HintValue
-from policyd.workload import Call
 from policyd.workloads.pbkv import code_writing, fact_checking
+from tests.test_predictor import _replay_side_by_side
 
 T = TypeVar("T")
 
@@ -199,23 +199,6 @@ def test_a_checkpoint_from_before_the_cached_agents_and_margins_still_forecasts(
     assert original.active()
 
 
-def _feed_side_by_side(
-    a: Predictor, b: Predictor, events: list[tuple[Call, int, bool]], before_b: Callable[[], None]
-) -> None:
-    for call, pos, ended in events:
-        before_b()
-        for predictor in (a, b):
-            if pos:
-                predictor.predict(call.workflow_id)
-            if ended:
-                predictor.observe_finished(call.workflow_id)
-            else:
-                args = (call.workflow_type, call.agent, call.hints, float(pos))
-                predictor.observe_call(call.workflow_id, *args)
-        if pos and not ended:
-            assert a.predict(call.workflow_id) == b.predict(call.workflow_id)
-
-
 def test_learning_from_kept_counts_equals_looking_them_up() -> None:
     """Scenario: back-off tables small enough to be pruned every few dozen calls (contexts
     dropped, ``generation`` bumped). A predictor that learns through the Counts its views kept
@@ -231,7 +214,7 @@ def test_learning_from_kept_counts_equals_looking_them_up() -> None:
             for structure in model.structures.values():
                 structure.resolved = None
 
-    _feed_side_by_side(kept, looked_up, events, forget)
+    _replay_side_by_side(kept, looked_up, events, lambda _: forget())
     assert kept.markov.generation > 3  # pruned along the way
     for a, b in ((kept.markov, looked_up.markov), (kept.copy, looked_up.copy)):
         assert a.generation == b.generation
