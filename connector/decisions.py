@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from policyd.types import PolicySnapshot, ScoredBlocks, WriteFilter
+from policyd.types import PolicySnapshot, WriteFilter, score_map
 
 MAX_TRACKED_WORKFLOWS: Final = 4096  # ownership memory: the oldest workflows are forgotten
 
@@ -34,8 +34,8 @@ class SnapshotView:
 
     @classmethod
     def of(cls, snap: PolicySnapshot) -> SnapshotView:
-        scores = _score_map(snap.scores)
-        host_scores = scores if snap.host_scores is None else _score_map(snap.host_scores)
+        scores = score_map(snap.scores)
+        host_scores = scores if snap.host_scores is None else score_map(snap.host_scores)
         return cls(
             version=snap.version,
             policy=snap.policy,
@@ -55,10 +55,6 @@ class SnapshotView:
     def host_score(self, block: int) -> float:
         """The same for the host tier, in the snapshot's host order when it gives one."""
         return self.host_scores.get(block, self.default_score)
-
-
-def _score_map(groups: Iterable[ScoredBlocks]) -> dict[int, float]:
-    return {block: group.score for group in groups for block in group.block_hashes}
 
 
 def write_allowed(view: SnapshotView | None, new_blocks: int, staged: bool = False) -> bool:

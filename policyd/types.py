@@ -15,6 +15,7 @@ collision-free in practice at cache sizes and halves the bytes on the wire.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Final, Generic, Literal, NewType, TypeVar
 
 import msgspec
@@ -155,6 +156,15 @@ class ScoredBlocks(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
 
     score: float
     block_hashes: tuple[int, ...]
+
+
+def score_map(groups: Iterable[ScoredBlocks]) -> dict[int, float]:
+    """Every block's score; a block named by two groups takes the later group's score, as a
+    tier applying the groups in order would."""
+    scores: dict[int, float] = {}
+    for group in groups:
+        scores.update(dict.fromkeys(group.block_hashes, group.score))
+    return scores
 
 
 class WriteFilter(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -60,6 +60,7 @@ from policyd.types import (
     ScoredBlocks,
     WorkflowFinished,
     WriteFilter,
+    score_map,
 )
 
 _K = TypeVar("_K")
@@ -490,9 +491,7 @@ def _disjoint(
     """``groups`` with each block said once, and every block's score. A block in two groups
     (prompts sharing blocks across workflows, a retired block still in a live agent's prompt)
     takes the later group's score, as a tier applying the groups in order would."""
-    scores: dict[int, float] = {}
-    for group in groups:
-        scores.update(dict.fromkeys(group.block_hashes, group.score))
+    scores = score_map(groups)
     if len(scores) == sum(len(g.block_hashes) for g in groups):
         return tuple(groups), scores
     claimed: set[int] = set()

@@ -30,7 +30,7 @@ from typing import ClassVar
 
 from policyd.engine import EngineState, WorkflowState
 from policyd.policies.base import Ordering, ScoredPolicy
-from policyd.types import PolicySnapshot, ScoredBlocks
+from policyd.types import PolicySnapshot, ScoredBlocks, score_map
 
 AgentGraph = Mapping[str, Sequence[str]]
 
@@ -142,10 +142,7 @@ class KVFlow(ScoredPolicy):
         return _disjoint(candidates)
 
     def block_scores(self, state: EngineState) -> dict[int, float]:
-        scores: dict[int, float] = {}
-        for group in self.score_groups(state):
-            scores.update(dict.fromkeys(group.block_hashes, group.score))
-        return scores
+        return score_map(self.score_groups(state))
 
     def snapshot(
         self, state: EngineState, *, now: float, version: int, ttl_s: float

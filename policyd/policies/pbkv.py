@@ -32,6 +32,7 @@ from policyd.types import (
     RequestStarted,
     ScoredBlocks,
     WorkflowFinished,
+    score_map,
 )
 
 RETIRED_SCORE = -1.0
@@ -163,9 +164,7 @@ class PBKV(ScoredPolicy):
         )
 
     def block_scores(self, state: EngineState) -> dict[int, float]:
-        scores: dict[int, float] = {}
-        for group in self.score_groups(state):
-            scores.update(dict.fromkeys(group.block_hashes, group.score))
+        scores = score_map(self.score_groups(state))
         scores.update(dict.fromkeys(self.retired, RETIRED_SCORE))
         return scores
 

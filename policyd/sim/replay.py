@@ -51,6 +51,7 @@ from policyd.types import (
     RequestStarted,
     Tier,
     WorkflowFinished,
+    score_map,
 )
 from policyd.workload import Call, Stream, Workload
 
@@ -173,18 +174,10 @@ class Simulator:
         if ordering == "oracle":
             policy = self.policy
             return KeyedQueue(lambda blocks: policy.oracle_keys(tier, blocks))
-        if tier == "host":
-
-            def host_keys(blocks: Sequence[int]) -> list[float]:
-                default = self._default_score()
-                scores = self._host_scores  # rebound when a snapshot brings its own host order
-                return [scores.get(b, default) for b in blocks]
-
-            return KeyedQueue(host_keys)
-        scores = self._scores
 
         def score_keys(blocks: Sequence[int]) -> list[float]:
             default = self._default_score()
+            scores = self._host_scores if tier == "host" else self._scores  # rebound per snapshot
             return [scores.get(b, default) for b in blocks]
 
         return KeyedQueue(score_keys)
@@ -207,15 +200,10 @@ class Simulator:
         self._events_at_snapshot = events
         snap = self.engine.snapshot()
         self._snapshot = snap
-        self._scores.clear()
-        for group in snap.scores:
-            self._scores.update(dict.fromkeys(group.block_hashes, group.score))
-        if snap.host_scores is None:
-            self._host_scores = self._scores
-        else:
-            self._host_scores = {}
-            for group in snap.host_scores:
-                self._host_scores.update(dict.fromkeys(group.block_hashes, group.score))
+        self._scores = score_map(snap.scores)
+        self._host_scores = (
+            self._scores if snap.host_scores is None else score_map(snap.host_scores)
+        )
         for queue in (self.gpu.queue, self.host.queue):
             if isinstance(queue, KeyedQueue):
                 queue.rekey()
