@@ -43,6 +43,8 @@ from policyd.mrc import MissRatioCurve
 from policyd.stackdist import StackDistance
 
 _HASH_SPACE: Final = 2**64
+_U64: Final = _HASH_SPACE - 1
+SMALL_PROMPT_BLOCKS: Final = 32  # prompts up to this many blocks are sampled without numpy
 
 
 class DistanceHistogram:
@@ -118,6 +120,42 @@ def _mix(keys: NDArray[np.uint64], salt: int) -> NDArray[np.uint64]:
     return z ^ (z >> np.uint64(31))
 
 
+def _mix_one(key: int, salt: int) -> int:
+    """``_mix`` of one key, in Python integers (the same bits: products wrap modulo 2^64)."""
+    z = key ^ salt
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
+
+
+def _sampled(block_hashes: Sequence[int], salt: int, threshold: int) -> tuple[list[int], list[int]]:
+    """The blocks of a prompt that spatial sampling keeps (mixed hash below ``threshold``) and
+    their mixed hashes, tail first."""
+    keys = np.asarray(block_hashes, dtype=np.uint64)
+    spatial = _mix(keys, salt)
+    picked = np.flatnonzero(spatial < np.uint64(threshold))[::-1]
+    blocks: list[int] = keys[picked].tolist()
+    hashes: list[int] = spatial[picked].tolist()
+    return blocks, hashes
+
+
+def _sampled_small(
+    block_hashes: Sequence[int], salt: int, threshold: int
+) -> tuple[list[int], list[int]]:
+    """``_sampled`` per key in Python integers, for short prompts (a hash outside 0..2^64-1
+    raises ``OverflowError``, as numpy's conversion does)."""
+    blocks: list[int] = []
+    hashes: list[int] = []
+    for key in reversed(block_hashes):
+        if not 0 <= key <= _U64:
+            raise OverflowError(f"block hash {key} is outside 0..2^64-1")
+        h = _mix_one(key, salt)
+        if h < threshold:
+            blocks.append(key)
+            hashes.append(h)
+    return blocks, hashes
+
+
 class Shards:
     """Online MRC estimator: spatially hashed sampling of block references (SHARDS).
 
@@ -191,14 +229,11 @@ class Shards:
         self.prompts += 1
         if n == 0:
             return
-        keys = np.asarray(block_hashes, dtype=np.uint64)
-        spatial = _mix(keys, self._salt)
-        picked = np.flatnonzero(spatial < np.uint64(self._threshold))
-        if picked.size == 0:
+        # short prompts in Python: numpy's per-call overhead exceeds their work
+        sample = _sampled_small if n <= SMALL_PROMPT_BLOCKS else _sampled
+        blocks, hashes = sample(block_hashes, self._salt, self._threshold)
+        if not blocks:
             return
-        picked = picked[::-1]  # tail first
-        blocks = keys[picked].tolist()
-        hashes = spatial[picked].tolist()
         scaled: list[float] = []
         weights: list[float] = []
         stack = self._stack

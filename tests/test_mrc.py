@@ -269,3 +269,24 @@ def test_swe_pool_estimate_meets_the_targets():
     grid = np.linspace(0, exact.working_set_blocks, 256)
     assert mean_absolute_error(estimate, exact, grid) <= 0.01
     assert abs(estimate.capacity_for(0.9) / exact.capacity_for(0.9) - 1) <= 0.10
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 2**64 - 1) | st.integers(0, 40), max_size=40),
+    st.integers(0, 2**64 - 1),
+    st.integers(0, 2**64 - 1) | st.sampled_from([0, 2**63, 2**64 - 1]),
+)
+def test_short_prompts_sample_as_the_numpy_path_does(prompt, salt, threshold):
+    """Prompts up to SMALL_PROMPT_BLOCKS blocks are sampled in Python integers: the same
+    blocks and mixed hashes, in the same order, as the numpy path."""
+    assert policyd.shards._sampled_small(prompt, salt, threshold) == policyd.shards._sampled(
+        prompt, salt, threshold
+    )
+
+
+def test_short_prompt_hash_outside_uint64_is_an_overflow():
+    with pytest.raises(OverflowError):
+        Shards().learn_prompt([1, 2**64], 32)
+    with pytest.raises(OverflowError):
+        Shards().learn_prompt([-1], 16)
