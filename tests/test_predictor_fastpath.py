@@ -20,6 +20,7 @@ from river import preprocessing
 from policyd.predictor import END, Forecast, Predictor, context, mixture, rollout, tracking
 from policyd.predictor_eval import interleave
 from policyd.types import HintValue
+from policyd.workload import Call
 from policyd.workloads.pbkv import code_writing, fact_checking
 from tests.test_predictor import _replay_side_by_side
 
@@ -245,3 +246,59 @@ def test_the_scaler_in_plain_dicts_scales_as_rivers_own() -> None:
     assert "unseen" in model.scaler.vars and "unseen" not in model.scaler.counts
     assert model.scaler.counts == dict(river_own.counts)
     assert type(model.scaler.means) is dict
+
+
+def _replay(predictor: Predictor, events: list[tuple[Call, int, bool]], serve_every: int) -> int:
+    """Replay ``events``, asking for a forecast after every ``serve_every``-th call (0: never);
+    returns the forecasts asked for."""
+    asked = 0
+    for n, (call, pos, ended) in enumerate(events):
+        wid = call.workflow_id
+        if ended:
+            predictor.observe_finished(wid)
+            continue
+        predictor.observe_call(wid, call.workflow_type, call.agent, call.hints, float(pos))
+        if serve_every and n % serve_every == 0:
+            predictor.predict(wid)
+            asked += 1
+    return asked
+
+
+def test_without_unserved_roll_outs_served_forecasts_and_scores_are_the_same() -> None:
+    """Scenario: the daemon's predictor (``roll_out_unserved=False``) and the replays' one see
+    the same calls and are asked for a forecast after every call: every position is served, so
+    forecasts, scores and drift are the same, float for float."""
+    events = list(interleave(fact_checking(seed=5, workflows=60), 8))
+    plain, daemon = Predictor(k=3), Predictor(k=3, roll_out_unserved=False)
+    for predictor in (plain, daemon):
+        _replay(predictor, events, 1)
+    assert plain.tracker.stats() == daemon.tracker.stats()
+    for wid in plain._workflows:
+        assert plain.predict(wid) == daemon.predict(wid)
+
+
+def test_without_unserved_roll_outs_step_one_still_scores_every_position() -> None:
+    """Scenario: nobody asks for forecasts (or every 7th call). The daemon's predictor rolls
+    out only what was asked for, yet scores step 1 at every position (what PBKV's fallback
+    and the drift detector read) from the one-step distribution; steps 2..K are scored where
+    a forecast was served. Step-1 accuracy stays that of the predictor that rolls out at every
+    call (the caches it fills are refreshed at other times, so not bit for bit)."""
+    events = list(interleave(code_writing(seed=5, workflows=80), 8))
+    plain = Predictor(k=3)
+    _replay(plain, events, 0)
+    for serve_every in (0, 7):
+        daemon = Predictor(k=3, roll_out_unserved=False)
+        asked = _replay(daemon, events, serve_every)
+        assert daemon._forecasts <= asked  # only what was asked for is rolled out
+        assert daemon.tracker.checked[0] == plain.tracker.checked[0]
+        assert 0 < daemon.tracker.checked[1] < plain.tracker.checked[1] or not serve_every
+        assert daemon.tracker.checked[1] == 0 or serve_every
+        assert abs(daemon.tracker.accuracy(1) - plain.tracker.accuracy(1)) < 0.02
+    assert plain._forecasts > 0.9 * plain.tracker.checked[0]
+
+
+def test_a_restored_predictor_without_the_flag_rolls_out_every_call() -> None:
+    predictor = Predictor(k=2)
+    del predictor.__dict__["roll_out_unserved"]
+    restored = pickle.loads(pickle.dumps(predictor))
+    assert restored.roll_out_unserved is True

@@ -162,7 +162,10 @@ class Service:
             settings.gpu_blocks if settings.gpu_blocks is not None else profile.gpu_blocks()
         )
         self.started_s = clock()
-        self.predictor = Predictor(k=int(str(self.tunables["lookahead_k"])))
+        # forecasts are rolled out when the policy, the API or the prediction log asks
+        self.predictor = Predictor(
+            k=int(str(self.tunables["lookahead_k"])), roll_out_unserved=False
+        )
         self.shards = Shards(
             rate=settings.shards_rate, max_tracked_blocks=settings.shards_max_tracked_blocks
         )
@@ -388,6 +391,7 @@ class Service:
         if isinstance(predictions, PredictionLog):
             self._restored_predictions = predictions
         if isinstance(predictor, Predictor):
+            predictor.roll_out_unserved = False
             self.predictor = predictor
             self.tunables["lookahead_k"] = predictor.k
         if isinstance(shards, Shards):

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
@@ -45,6 +45,15 @@ from policyd.types import HintValue
 EXPERTS = ("markov", "copy", "context")
 OTHER = "other"  # the copy expert's label for "not one of the recent agents"
 _RANKS = tuple(f"r{j}" for j in range(1, RANKS + 1))  # its labels for the recent agents
+
+
+def _step_one(labels: Sequence[str], probs: Sequence[float]) -> tuple[dict[str, float], float]:
+    """Step 1 of a forecast from the one-step distribution: P(agent | still running) and
+    P(ended) (what ``_rollout`` starts from, and what an unserved position is scored on)."""
+    joint = dict(zip(labels, probs, strict=True))
+    ended = min(1.0, joint.pop(END, 0.0))
+    total = sum(joint.values())
+    return ({label: q / total for label, q in joint.items()} if total > 0.0 else {}), ended
 
 
 def _first(child: tuple[float, str, Position]) -> float:
@@ -184,6 +193,12 @@ class Predictor:
         Active workflows remembered; the least recently seen is forgotten past this.
     seed
         Seeds the noise.
+    roll_out_unserved
+        Roll out a K-step forecast at every call, to score it, even when none was asked for
+        (True: every position's steps 1..K are scored; what the replays do). False scores step
+        1 from the one-step distribution where no forecast was served and skips the roll-out,
+        about two thirds of a call's cost: the daemon, which asks for forecasts at its own
+        pace. Served forecasts are computed the same way either way.
 
     Examples
     --------
@@ -222,6 +237,7 @@ class Predictor:
         noise: float = 0.0,
         max_workflows: int = 100_000,
         seed: int = 0,
+        roll_out_unserved: bool = True,
     ) -> None:
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
@@ -245,6 +261,7 @@ class Predictor:
         self.noise = noise
         self.max_workflows = max_workflows
         self.seed = seed
+        self.roll_out_unserved = roll_out_unserved
         self.markov = BackoffClassifier(order=order, max_count=max_count)
         self.copy = BackoffClassifier(order=2, max_count=max_count)
         self.tracker = Tracker(k, window=window, drift_delta=drift_delta)
@@ -322,6 +339,7 @@ class Predictor:
         whose fields this version reads: they are dropped and rebuilt on demand."""
         self.__dict__.update(state)
         self.__dict__.setdefault("max_paths", 256)
+        self.__dict__.setdefault("roll_out_unserved", True)
         for classifier in (self.markov, self.copy):
             classifier.__dict__.setdefault("generation", 0)
         legacy = False
@@ -569,11 +587,9 @@ class Predictor:
         self._forecasts += 1
         k, min_branch = self.k, self.min_branch
         labels, probs = node.labels, node.probs
-        joint = dict(zip(labels, probs, strict=True))
-        ended = min(1.0, joint.pop(END, 0.0))
+        first, ended = _step_one(labels, probs)
         alive = [1.0 - ended]
-        total = sum(joint.values())
-        agents = [{label: q / total for label, q in joint.items()} if total > 0.0 else {}]
+        agents = [first]
         if k > 1:
             children = [
                 (q, label, position)
@@ -655,7 +671,20 @@ class Predictor:
     def _learn(self, workflow: _Workflow, label: str) -> None:
         position = workflow.position
         kind = position.kind
-        if position.pos:  # an active workflow's position gets a forecast, and it is scored
+        # An active workflow's position is scored: all K steps of its forecast, rolled out
+        # here if nobody asked for it - or, without ``roll_out_unserved`` (the daemon, which
+        # asks at its own pace, not per call), step 1 only where none was served: the one-step
+        # node that learning needs anyway, without the roll-out. Step-1 accuracy,
+        # cross-entropy and drift (what PBKV's fallback reads) then still see every position;
+        # steps 2..K are scored where a forecast was served. With injected noise every
+        # position is served, as the noise draws are per forecast.
+        unserved = (
+            not self.roll_out_unserved
+            and bool(position.pos)
+            and workflow.forecast is None
+            and not self.noise
+        )
+        if position.pos and not unserved:
             self._served(workflow)
         if workflow.node is None or workflow.hints is None:  # (or dropped by a restore)
             workflow.hints = self._hints(position, self._type(kind).context)
@@ -673,6 +702,10 @@ class Predictor:
                     drifted = True
             while pending and (label == END or pos - pending[0][0] + 2 > self.k):
                 pending.popleft()
+        if unserved:  # (the newest forecast: after the older ones, as it would be in pending)
+            first, ended = _step_one(node.labels, node.probs)
+            if self.tracker.check(kind, Forecast([first], [1.0 - ended]), 1, label):
+                drifted = True
 
         model = self._types.get(kind) or self._type(kind)
         model.learns += 1
