@@ -94,6 +94,12 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     bench.add_argument(
         "--rate", type=float, default=None, help="target block events/s, all senders (default: max)"
     )
+    bench.add_argument(
+        "--rates",
+        default=None,
+        help="comma-separated offered rates (block events/s): a fresh daemon per rate, then "
+        "the highest it sustained (nothing shed, backlog gone within 5 s)",
+    )
     bench.add_argument("--db", type=Path, help="history file (default: a temporary directory)")
     bench.add_argument("--policy", choices=online_policies(), default="pbkv")
     bench.add_argument(

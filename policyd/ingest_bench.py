@@ -51,6 +51,7 @@ from policyd.types import (
 from policyd.wire import SNAPSHOT_TOPIC
 
 TARGET_BLOCK_EVENTS_PER_S: Final = 500_000
+SWEEP_DECISIONS: Final = 400  # timed decision requests per run of a --rates sweep
 RESIDENT_WINDOW_BLOCKS: Final = 4096  # a sender removes what it stored this many blocks ago
 RUN_BLOCKS: Final = 16  # blocks come in runs: 16 stored, then 16 removed, ...
 CONCURRENT_WORKFLOWS: Final = 64
@@ -635,12 +636,82 @@ def plot_rss(r: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+KEPT_UP_SHED: Final = 0.001  # at most this share of block events shed ...
+KEPT_UP_DRAIN_S: Final = 5.0  # ... and the backlog gone this soon after the senders stop
+
+
+def kept_up(r: dict[str, Any]) -> bool:
+    """Whether a run's daemon sustained the offered rate: (almost) nothing shed, and what was
+    queued when the senders stopped applied within ``KEPT_UP_DRAIN_S``."""
+    drain_s = r["drained_s"] - r["window_s"]
+    return bool(r["block_shed_rate"] <= KEPT_UP_SHED and drain_s <= KEPT_UP_DRAIN_S)
+
+
+def render_sweep(runs: Sequence[dict[str, Any]]) -> str:
+    """One line per offered rate, then the highest rate the daemon kept up with."""
+    lines = [
+        "sustained ingest, one fresh daemon per offered rate:",
+        f"  {'offered/s':>11} {'x target':>8} {'applied':>8} {'shed':>6} {'drain s':>7} "
+        f"{'load':>4}  kept up   (applied: share of the block events sent)",
+    ]
+    for r in runs:
+        sent = r["sent_block_events"]
+        applied = r["applied_block_events"] / sent if sent else 0.0
+        lines.append(
+            f"  {r['sent_block_events_per_s']:11,.0f} "
+            f"{r['sent_block_events_per_s'] / TARGET_BLOCK_EVENTS_PER_S:8.2f} {applied:8.1%} "
+            f"{r['block_shed_rate']:6.1%} {r['drained_s'] - r['window_s']:7.1f} "
+            f"{r['load_1m_mean']:4.1f}  {'yes' if kept_up(r) else 'no'}"
+        )
+    best = max((r["sent_block_events_per_s"] for r in runs if kept_up(r)), default=None)
+    target = TARGET_BLOCK_EVENTS_PER_S
+    lines.append(
+        f"  sustained: {best:,.0f} block events/s = {best / target:.2f}x the {target:,} target"
+        if best is not None
+        else f"  sustained: none of the offered rates (shed > {KEPT_UP_SHED:.1%} or backlog "
+        f"> {KEPT_UP_DRAIN_S:.0f} s at every one)"
+    )
+    return "\n".join(lines)
+
+
+def sweep_main(args: argparse.Namespace, argv: Sequence[str], shape: StreamShape) -> int:
+    """``--rates R1,R2,...``: a fresh daemon per offered rate, then which rates it sustained."""
+    rates = [float(r) for r in str(args.rates).split(",") if r.strip()]
+    if not rates or min(rates) <= 0:
+        raise SystemExit(f"--rates needs positive block events/s, got {args.rates!r}")
+    command = "policyd " + " ".join(shlex.quote(a) for a in argv)
+    runs = []
+    for i, rate in enumerate(rates, 1):
+        _say(f"[{i}/{len(rates)}] offering {rate:,.0f} block events/s for {args.seconds:.0f} s")
+        runs.append(
+            run_bench(
+                seconds=args.seconds,
+                shape=shape,
+                senders=args.senders,
+                rate=rate,
+                policy=args.policy,
+                block_sample_rate=args.block_sample_rate,
+                sample_s=args.sample_s,
+                decisions=SWEEP_DECISIONS,
+            )
+        )
+        print(render(runs[-1]))
+    print(render_sweep(runs))
+    print(f"reproduce: {command}")
+    if args.json:
+        doc = {"command": command, "runs": runs, "kept_up": [kept_up(r) for r in runs]}
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
 def bench_main(args: argparse.Namespace, argv: Sequence[str]) -> int:
     shape = StreamShape(
         blocks_per_event=args.blocks_per_event,
         events_per_frame=args.batch,
         blocks_per_request=args.blocks_per_request,
     )
+    if args.rates:
+        return sweep_main(args, argv, shape)
     command = "policyd " + " ".join(shlex.quote(a) for a in argv)
     result = run_bench(
         seconds=args.seconds,

@@ -25,8 +25,10 @@ from policyd.ingest_bench import (
     RESIDENT_WINDOW_BLOCKS,
     FrameSource,
     StreamShape,
+    kept_up,
     plot_rss,
     render,
+    render_sweep,
     run_bench,
 )
 from policyd.ingest_cost import stage_costs
@@ -230,6 +232,13 @@ def test_the_bench_drives_a_real_daemon_and_accounts_for_every_block_event(
     assert "block events/s" in render(r) and any("RSS" in line for line in lines)
     plot_rss(r, tmp_path / "rss.png")
     assert (tmp_path / "rss.png").stat().st_size > 0
+    # a --rates sweep's verdict: this run kept up; the same run with shedding, or with a
+    # backlog left long after the senders stopped, did not
+    assert kept_up(r) and "x the 500,000 target" in render_sweep([r])
+    shed_some = {**r, "block_shed_rate": 0.01}
+    backlog = {**r, "drained_s": r["window_s"] + 30.0}
+    assert not kept_up(shed_some) and not kept_up(backlog)
+    assert "sustained: none" in render_sweep([shed_some, backlog])
 
 
 def test_stage_costs_measure_every_stage() -> None:
