@@ -652,7 +652,8 @@ def render_sweep(runs: Sequence[dict[str, Any]]) -> str:
     lines = [
         "sustained ingest, one fresh daemon per offered rate:",
         f"  {'offered/s':>11} {'x target':>8} {'applied':>8} {'shed':>6} {'drain s':>7} "
-        f"{'load':>4}  kept up   (applied: share of the block events sent)",
+        f"{'load':>4} {'history rows dropped':>20}  kept up   (applied: share of the block "
+        "events sent)",
     ]
     for r in runs:
         sent = r["sent_block_events"]
@@ -661,7 +662,8 @@ def render_sweep(runs: Sequence[dict[str, Any]]) -> str:
             f"  {r['sent_block_events_per_s']:11,.0f} "
             f"{r['sent_block_events_per_s'] / TARGET_BLOCK_EVENTS_PER_S:8.2f} {applied:8.1%} "
             f"{r['block_shed_rate']:6.1%} {r['drained_s'] - r['window_s']:7.1f} "
-            f"{r['load_1m_mean']:4.1f}  {'yes' if kept_up(r) else 'no'}"
+            f"{r['load_1m_mean']:4.1f} {r['history_rows_dropped']:20,}  "
+            f"{'yes' if kept_up(r) else 'no'}"
         )
     best = max((r["sent_block_events_per_s"] for r in runs if kept_up(r)), default=None)
     target = TARGET_BLOCK_EVENTS_PER_S
