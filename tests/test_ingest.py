@@ -1,10 +1,11 @@
 """Block events as the daemon counts and sheds them, and the bench's frame stream: an event of
-N hashes is N block events, received, shed per hash (consistently however the hashes were
-grouped) and applied; the pre-encoded frames decode to valid, sequenced batches whose removals
-name blocks stored before, with bounded residency."""
+N hashes is N block events, received, shed (stores whole, never removals, so the Engine never
+believes an evicted block cached) and applied; the pre-encoded frames decode to valid,
+sequenced batches whose removals name blocks stored before, with bounded residency."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from policyd.daemon.ingest import (
 )
 from policyd.daemon.service import Service
 from policyd.daemon.settings import DaemonSettings
+from policyd.engine import Engine
 from policyd.ingest_bench import (
     CONCURRENT_WORKFLOWS,
     RESIDENT_WINDOW_BLOCKS,
@@ -32,6 +34,7 @@ from policyd.ingest_bench import (
     run_bench,
 )
 from policyd.ingest_cost import stage_costs
+from policyd.policies import make_policy
 from policyd.types import (
     BATCH_CODEC,
     BlocksLoaded,
@@ -65,26 +68,59 @@ def test_a_multi_hash_event_is_as_many_block_events() -> None:
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
-def test_shedding_is_per_block_whatever_the_grouping(rate: float) -> None:
+def test_shedding_drops_whole_stores_and_never_removals(rate: float) -> None:
+    """Stores are kept or dropped whole (16 hashes: 16 block events counted), about ``rate``
+    of them kept, the same way every time; removals all stay."""
     hashes = [(i * 7919) ** 2 + i for i in range(4096)]
-    singles = EventBatch("s", 1, tuple(stored((h,)) for h in hashes))
     groups = EventBatch("s", 1, tuple(stored(hashes[i : i + 16]) for i in range(0, 4096, 16)))
     removals = EventBatch(
         "s", 2, tuple(BlocksRemoved(ts=0.0, tier="gpu", block_hashes=tuple(hashes[i : i + 5]))
                       for i in range(0, 4096, 5))
     )  # fmt: skip
-    cuts = [shed(b, rate) for b in (singles, groups, removals)]
-    kinds = (BlocksStored, BlocksStored, BlocksRemoved)
-    kept = [kept_hashes(c.batch, k) for c, k in zip(cuts, kinds, strict=True)]
-    # the same blocks survive in every grouping: a kept block's store and removal both arrive
-    assert kept[0] == kept[1] == kept[2]
-    assert 0.6 * rate * 4096 < len(kept[0]) < 1.4 * rate * 4096
-    for cut in cuts:
-        assert cut.block_events == 4096 - len(kept[0])  # counted per hash
-        assert block_events(cut.batch) == len(kept[0])
-    # an event is dropped whole only when none of its hashes is kept
-    assert cuts[1].events == sum(1 for i in range(0, 4096, 16)
-                                 if not kept[0] & set(hashes[i : i + 16]))  # fmt: skip
+    cut = shed(groups, rate)
+    kept = [e for e in cut.batch.events if isinstance(e, BlocksStored)]
+    assert all(len(e.block_hashes) == 16 for e in kept)  # whole events
+    assert 0.6 * rate * 256 < len(kept) < 1.4 * rate * 256
+    assert cut.events == 256 - len(kept) and cut.block_events == 16 * cut.events
+    assert block_events(cut.batch) == 16 * len(kept)
+    assert shed(groups, rate) == cut  # deterministic
+    assert shed(removals, rate).batch == removals and shed(removals, 0.0).events == 0
+
+
+def test_whatever_is_shed_the_engine_believes_no_evicted_block_cached() -> None:
+    """Scenario: a random stream of stores, loads and removals (hashes regrouped between them),
+    cut at a varying rate before the Engine, is replayed beside the truth: the Engine's GPU
+    blocks are always a subset of what is really there."""
+    rng = random.Random(7)
+    engine = Engine(make_policy("lru"))
+    truth: set[int] = set()
+    for seq in range(1, 400):
+        events: list[Event] = []
+        for _ in range(rng.randrange(1, 12)):
+            if truth and rng.random() < 0.45:
+                gone = rng.sample(sorted(truth), min(len(truth), rng.randrange(1, 20)))
+                truth.difference_update(gone)
+                events.append(BlocksRemoved(ts=0.0, tier="gpu", block_hashes=tuple(gone)))
+            else:
+                new = [rng.randrange(-(2**63), 2**64) for _ in range(rng.randrange(1, 20))]
+                truth.update(new)
+                if rng.random() < 0.8:
+                    events.append(stored(new))
+                else:
+                    events.append(BlocksLoaded(ts=0.0, block_hashes=tuple(new)))
+        engine.apply(shed(EventBatch("s", seq, tuple(events)), rng.random()).batch)
+        assert engine.state.resident["gpu"] <= truth
+    assert 0 < len(engine.state.resident["gpu"]) < len(truth)
+
+
+def test_the_keep_rule_is_the_first_hash_rule_outside_uint64_too() -> None:
+    golden, mask = 0x9E3779B97F4A7C15, (1 << 64) - 1
+    rate = 0.5
+    threshold = int(rate * 2.0**64)
+    hashes = [i * 0x1234567 for i in range(1, 500)] + [-5, -(2**63), 2**64 + 3]
+    cut = shed(EventBatch("s", 1, tuple(stored((h, 1)) for h in hashes)), rate)
+    expected = {h for h in hashes if ((h * golden) & mask) < threshold}
+    assert kept_hashes(cut.batch, BlocksStored) - {1} == expected
 
 
 def test_the_queue_counts_block_events_received_and_shed() -> None:
@@ -151,17 +187,6 @@ def test_bench_frames_are_valid_sequenced_and_keep_residency_bounded(
 def test_a_bad_stream_shape_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="blocks_per_event must be >= 1"):
         StreamShape(blocks_per_event=0)
-
-
-def test_shedding_agrees_with_the_hash_rule_outside_uint64_too() -> None:
-    golden, mask = 0x9E3779B97F4A7C15, (1 << 64) - 1
-    rate = 0.5
-    threshold = int(rate * 2.0**64)
-    inside = [i * 0x1234567 for i in range(1, 500)]
-    for hashes in (inside, [*inside, -5]):  # a negative hash takes the pure-Python path
-        cut = shed(EventBatch("s", 1, (stored(hashes),)), rate)
-        expected = {h for h in hashes if ((h * golden) & mask) < threshold}
-        assert kept_hashes(cut.batch, BlocksStored) == expected
 
 
 def test_the_queue_depth_weighs_a_frame_by_its_block_events() -> None:

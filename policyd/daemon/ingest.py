@@ -5,8 +5,10 @@ arrives, decodes it (a malformed frame - truncated, wrong protocol version, wron
 large - is counted and dropped, the daemon keeps serving) and queues the batch for the engine
 worker. Overload is handled here, before the Engine:
 
-* above ``shed_above_frames`` queued batches, block-level events (BlocksStored / BlocksRemoved /
-  BlocksLoaded) are kept with a probability that falls linearly to 0 at ``max_frames``;
+* above ``shed_above_frames`` queued batches, block stores (BlocksStored / BlocksLoaded events,
+  whole) are kept with a probability that falls linearly to 0 at ``max_frames``; removals
+  (BlocksRemoved) are not shed, so the Engine never believes an evicted block cached (short of
+  the hard bound below);
 * request-level events (RequestStarted, PrefixHit, RequestFinished, WorkflowFinished,
   AllBlocksCleared) are never shed, and every batch is queued (if only for its sequence
   number);
@@ -15,11 +17,11 @@ worker. Overload is handled here, before the Engine:
   AllBlocksCleared, which free the Engine's state - and the rest is dropped and counted: state
   that is never closed would otherwise stay until the idle timeout. Past
   ``LAST_RESORT_FACTOR x max_frames`` frames are dropped whole, so the queue stays bounded;
-* the keep decision is per block hash (a hash threshold, as SHARDS samples), so at a given rate a
-  block's Stored and Removed events are kept or shed together, however the sender grouped its
-  hashes into events; an event of 16 hashes is 16 block events, counted and shed per hash.
+* the keep decision is a hash of the event's first block: the same frame is cut the same way
+  every time; an event of 16 hashes is 16 block events, counted and shed together.
 
-While shedding, the Engine's view of residency is a sample; the stats say how much was shed.
+While shedding, the Engine's view of residency is a subset of the truth; the stats say how much
+was shed.
 """
 
 from __future__ import annotations
@@ -30,11 +32,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import compress
 from typing import Final
 
 import msgspec
-import numpy as np
 import zmq
 
 from policyd.types import (
@@ -83,45 +83,29 @@ class Shed:
 
 
 def shed(batch: EventBatch, rate: float) -> Shed:
-    """The batch with block-level events sampled at ``rate`` block by block: a hash is kept
-    when ``hash * golden mod 2^64 < rate * 2^64``, so at one rate a block's Stored, Removed and
-    Loaded events are kept or shed together however the sender grouped its hashes into events;
-    an event keeps the hashes that pass and is dropped when none does. Request-level events
-    always stay."""
+    """The batch with block stores sampled at ``rate``: a ``BlocksStored`` or ``BlocksLoaded``
+    event is kept whole when ``first hash * golden mod 2^64 < rate * 2^64`` (deterministic)
+    and dropped whole otherwise; ``BlocksRemoved`` and request-level events always stay.
+
+    Removing a block the Engine was not told of is a no-op, so whatever is shed the Engine's
+    resident blocks stay a subset of what the tiers hold - no block is believed cached after
+    it was evicted. A decision per event, not per hash, costs a multiplication per event: a
+    per-hash sample (flags, and a rebuilt event when some hashes pass) cost about as much CPU
+    as applying the blocks, so under overload it took from the Engine as much as it saved."""
     if rate >= 1.0:
         return Shed(batch, 0, 0)
-    if rate <= 0.0:  # everything block-level goes: no hashing (the cheapest path, at the bound)
-        rest = tuple(e for e in batch.events if not isinstance(e, BLOCK_LEVEL))
-        dropped = [e for e in batch.events if isinstance(e, BLOCK_LEVEL)]
-        if not dropped:
-            return Shed(batch, 0, 0)
-        return Shed(
-            EventBatch(source=batch.source, seq=batch.seq, events=rest),
-            len(dropped),
-            sum([len(e.block_hashes) for e in dropped]),
-        )
     threshold = int(rate * 2.0**64)
-    keep = _keep_flags([e for e in batch.events if isinstance(e, BLOCK_LEVEL)], threshold)
     kept: list[Event] = []
     dropped_events = dropped_blocks = 0
-    at = 0
     for event in batch.events:
-        if not isinstance(event, BLOCK_LEVEL):
-            kept.append(event)
-            continue
-        hashes = event.block_hashes
-        flags = keep[at : at + len(hashes)]
-        at += len(hashes)
-        if all(flags):
-            kept.append(event)
-        elif not any(flags):
-            dropped_events += 1
-            dropped_blocks += len(hashes)
-        else:
-            subset = tuple(compress(hashes, flags))
-            dropped_blocks += len(hashes) - len(subset)
-            kept.append(msgspec.structs.replace(event, block_hashes=subset))
-    if not dropped_blocks:
+        if type(event) in _SHEDDABLE:
+            hashes = event.block_hashes  # type: ignore[union-attr]
+            if hashes and ((hashes[0] * _GOLDEN) & _MASK) >= threshold:
+                dropped_events += 1
+                dropped_blocks += len(hashes)
+                continue
+        kept.append(event)
+    if not dropped_events:
         return Shed(batch, 0, 0)
     return Shed(
         EventBatch(source=batch.source, seq=batch.seq, events=tuple(kept)),
@@ -130,21 +114,7 @@ def shed(batch: EventBatch, rate: float) -> Shed:
     )
 
 
-_BlockEvent = BlocksStored | BlocksRemoved | BlocksLoaded
-
-
-def _keep_flags(events: list[_BlockEvent], threshold: int) -> list[bool]:
-    """Per hash of ``events``, in order: ``hash * golden mod 2^64 < threshold`` - with numpy
-    for the whole batch (a Python loop costs ~0.1 us per hash), in Python for hashes outside
-    uint64."""
-    flat = [h for e in events for h in e.block_hashes]
-    try:
-        hashes = np.fromiter(flat, dtype=np.uint64, count=len(flat))
-    except OverflowError:
-        return [((h * _GOLDEN) & _MASK) < threshold for h in flat]
-    mixed = hashes * np.uint64(_GOLDEN)  # wraps modulo 2^64, as the mask above
-    flags: list[bool] = (mixed < np.uint64(threshold)).tolist()
-    return flags
+_SHEDDABLE: Final = frozenset((BlocksStored, BlocksLoaded))
 
 
 def _block_level(batch: EventBatch) -> int:

@@ -28,10 +28,10 @@ class _StatsCollector(Collector):
         counters = {
             "events": "Events applied to the Engine.",
             "events_received": "Events in decoded frames (applied or shed).",
-            "events_shed": "Block-level events sampled away whole (no hash kept) under overload.",
+            "events_shed": "Block stores (Stored / Loaded events) sampled away under overload.",
             "block_events_received": "Block events received (hashes named by block-level events).",
             "block_events_applied": "Block events applied to the Engine (after shedding).",
-            "block_events_shed": "Block events sampled away under overload (per block hash).",
+            "block_events_shed": "Block events sampled away under overload (N per store of N).",
             "frames": "Event frames received.",
             "frames_dropped": "Frames cut past the queue's hard bound (closing events kept).",
             "events_dropped": "Request-level events dropped past the hard bound (not shed).",

@@ -89,8 +89,8 @@ class DaemonSettings:
         default=4096,
         metadata={
             "help": "Queue between the PULL socket and the Engine, in frames of 256 events or "
-            "block events (a frame of 4,096 block events weighs 16): block-level events are "
-            "shed above shed_above_frames, falling to none kept at this depth; past twice this, "
+            "block events (a frame of 4,096 block events weighs 16): block stores are shed "
+            "above shed_above_frames, falling to none kept at this depth; past twice this, "
             "frames keep only their closing events (RequestFinished, WorkflowFinished, "
             "AllBlocksCleared), past four times they are dropped whole; all counted."
         },
@@ -98,7 +98,8 @@ class DaemonSettings:
     shed_above_frames: int = field(
         default=256,
         metadata={
-            "help": "Queue depth (weighted frames) above which block-level events are sampled."
+            "help": "Queue depth (weighted frames) above which block stores are sampled "
+            "(removals never are)."
         },
     )
     max_frame_bytes: int = field(
