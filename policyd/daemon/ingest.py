@@ -32,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
 from typing import Final
 
 import msgspec
@@ -172,7 +173,7 @@ def _close_run(run: list[Event], out: list[Event]) -> None:
     if len(run) == 1:
         out.append(run[0])
     elif run:
-        hashes = tuple(h for e in run for h in e.block_hashes)  # type: ignore[union-attr]
+        hashes = tuple(chain.from_iterable([e.block_hashes for e in run]))  # type: ignore[union-attr]
         out.append(msgspec.structs.replace(run[-1], block_hashes=hashes))
 
 
