@@ -34,8 +34,15 @@ TIERS: Final[tuple[Tier, ...]] = ("gpu", "host")
 HintValue = str | int | float | bool | None
 
 
-class _Fact(msgspec.Struct, frozen=True, kw_only=True, tag=True, forbid_unknown_fields=True):
-    """Base of every event: ``ts`` is the source's monotonic clock in seconds."""
+class _Fact(
+    msgspec.Struct, frozen=True, kw_only=True, tag=True, forbid_unknown_fields=True, gc=False
+):
+    """Base of every event: ``ts`` is the source's monotonic clock in seconds.
+
+    Events (and batches) are not tracked by the cyclic garbage collector (``gc=False``: they
+    hold numbers, strings, tuples and a hints dict, never themselves): a daemon whose ingest
+    queue holds a backlog of millions of them would otherwise walk them all, with the
+    interpreter lock held, at every full collection (~0.5 s per 500 frames queued here)."""
 
     ts: float
 
@@ -114,7 +121,7 @@ Event = (
 )
 
 
-class EventBatch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class EventBatch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """Events from one source, numbered: a gap in ``seq`` is counted by the receiver, not fatal."""
 
     source: str

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import msgspec
@@ -81,6 +82,16 @@ def test_every_event_type_round_trips(kind: type, data: st.DataObject) -> None:
 @given(batch=batches)
 def test_event_batches_round_trip(batch: EventBatch) -> None:
     assert BATCH_CODEC.decode(BATCH_CODEC.encode(batch)) == batch
+
+
+@CODEC_SETTINGS
+@given(batch=batches)
+def test_decoded_batches_are_not_tracked_by_the_garbage_collector(batch: EventBatch) -> None:
+    """A queued backlog of events costs a full collection nothing: decoded batches and their
+    events are untracked (their hints dicts, when any, are tracked on their own)."""
+    decoded = BATCH_CODEC.decode(BATCH_CODEC.encode(batch))
+    assert not gc.is_tracked(decoded)
+    assert not any(gc.is_tracked(event) for event in decoded.events)
 
 
 @CODEC_SETTINGS
