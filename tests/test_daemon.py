@@ -224,6 +224,19 @@ def test_a_daemon_starts_fresh_beside_a_corrupt_checkpoint(tmp_path: Path) -> No
     assert Service(settings).checkpoint_info["restored"] is True
 
 
+def test_a_failed_shutdown_step_is_reported_not_claimed_done(tmp_path: Path) -> None:
+    """Scenario: a file takes the checkpoint directory's place while the daemon runs, so the
+    final checkpoint cannot be written: stop() still closes the history, and says what failed
+    (the server prints it instead of "models checkpointed")."""
+    settings = settings_for(tmp_path, checkpoint_dir=tmp_path / "ckpt")
+    running = start_daemon(settings)
+    (tmp_path / "ckpt").write_text("not a directory")
+    running.stop()
+    problems = running.service.stop_problems
+    assert len(problems) == 1 and problems[0].startswith("final checkpoint failed")
+    assert running.service.history.stats()["writer_alive"] is False  # closed all the same
+
+
 # ---- the running daemon: malformed frames --------------------------------------------------------
 
 

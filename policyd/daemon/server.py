@@ -132,5 +132,7 @@ def serve(settings: DaemonSettings) -> int:
             pass
     finally:
         daemon.stop()
-        print("policyd stopped: history flushed, models checkpointed", file=sys.stderr, flush=True)
+        problems = daemon.service.stop_problems
+        last = "; ".join(problems) if problems else "history flushed, models checkpointed"
+        print(f"policyd stopped: {last}", file=sys.stderr, flush=True)
     return 0

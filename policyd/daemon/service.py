@@ -162,6 +162,7 @@ class Service:
             settings.gpu_blocks if settings.gpu_blocks is not None else profile.gpu_blocks()
         )
         self.started_s = clock()
+        self.stop_problems: list[str] = []  # what went wrong in stop(), for the last word
         # forecasts are rolled out when the policy, the API or the prediction log asks
         self.predictor = Predictor(
             k=int(str(self.tunables["lookahead_k"])), roll_out_unserved=False
@@ -312,13 +313,15 @@ class Service:
         self._drain_queue()
         try:
             self.save_checkpoint()
-        except Exception:
+        except Exception as exc:
             log.exception("final checkpoint failed")
+            self.stop_problems.append(f"final checkpoint failed: {exc}")
         self._record_history_rows(final=True)
         try:
             self.history.close()  # flushes and publishes the final history snapshot
-        except Exception:
+        except Exception as exc:
             log.exception("closing the history failed")
+            self.stop_problems.append(f"closing the history failed: {exc}")
 
     def ready(self) -> dict[str, bool]:
         hist = self.history.stats()

@@ -109,6 +109,11 @@ def rows_to_arrow(rows: Sequence[Mapping[str, object]], schema: pa.Schema) -> pa
     )
 
 
+# closing waits this long for the queued rows (at most ``queue_max_rows``: a full queue took
+# ~20 s to write on a loaded 2-core machine, and 10 s was too short - rows were left unwritten)
+CLOSE_FLUSH_TIMEOUT_S: Final = 180.0
+
+
 @dataclass
 class _Rows:
     table: str
@@ -183,7 +188,7 @@ class History:
             return
         try:
             if self._thread.is_alive():
-                self.flush()
+                self.flush(CLOSE_FLUSH_TIMEOUT_S)
                 self.publish_snapshot()
         finally:
             self._closed = True
