@@ -45,6 +45,8 @@ from policyd.stackdist import StackDistance
 _HASH_SPACE: Final = 2**64
 _U64: Final = _HASH_SPACE - 1
 SMALL_PROMPT_BLOCKS: Final = 32  # prompts up to this many blocks are sampled without numpy
+_MIX_1: Final = 0xBF58476D1CE4E5B9  # splitmix64's finaliser multipliers, for both versions
+_MIX_2: Final = 0x94D049BB133111EB
 
 
 class DistanceHistogram:
@@ -115,16 +117,16 @@ class DistanceHistogram:
 def _mix(keys: NDArray[np.uint64], salt: int) -> NDArray[np.uint64]:
     """splitmix64's finaliser: spreads any 64-bit ids (chained hashes or small integers)."""
     z = keys ^ np.uint64(salt)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX_1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX_2)
     return z ^ (z >> np.uint64(31))
 
 
 def _mix_one(key: int, salt: int) -> int:
     """``_mix`` of one key, in Python integers (the same bits: products wrap modulo 2^64)."""
     z = key ^ salt
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    z = ((z ^ (z >> 30)) * _MIX_1) & _U64
+    z = ((z ^ (z >> 27)) * _MIX_2) & _U64
     return z ^ (z >> 31)
 
 
