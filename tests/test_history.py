@@ -224,7 +224,8 @@ def test_block_rows_are_sampled_by_hash_at_the_configured_rate(tmp_path: Path) -
 
 
 def test_a_full_queue_drops_and_counts_without_blocking(tmp_path: Path) -> None:
-    h = History(config(tmp_path, queue_max_rows=100), clock=FakeClock())
+    # a monotonic clock that stands still: the adaptive rate never gets its second to halve
+    h = History(config(tmp_path, queue_max_rows=100), clock=FakeClock(), monotonic=lambda: 0.0)
     # not started yet: nothing drains the queue, so the bound is all that stops it
     accepted = [h.record("decisions", [{"ts": NOW + i, "kind": "evict"}] * 30) for i in range(5)]
     assert accepted == [True, True, True, False, False]
@@ -233,7 +234,8 @@ def test_a_full_queue_drops_and_counts_without_blocking(tmp_path: Path) -> None:
     )
     h.record_batch(batch, received_ts=NOW)
     stats = h.stats()
-    assert stats["queue_rows"] == 90 and stats["rows_dropped"] == 2 * 30 + 51
+    # no room for its 50 block rows; it has no request rows, so nothing of it is queued
+    assert stats["queue_rows"] == 90 and stats["rows_dropped"] == 2 * 30 + 50
     with h:
         h.flush()
         assert h.query_live("SELECT count(*) FROM decisions") == [(90,)]
@@ -242,6 +244,103 @@ def test_a_full_queue_drops_and_counts_without_blocking(tmp_path: Path) -> None:
         memory = h.stats()["duckdb_memory_bytes"]
         assert isinstance(memory, int) and memory > 0
     assert not h.record("decisions", [{"ts": NOW, "kind": "evict"}])  # closed: dropped, counted
+
+
+def _stored(seq: int, hashes: range) -> EventBatch:
+    return EventBatch(
+        source="s", seq=seq, events=(BlocksStored(ts=0, tier="gpu", block_hashes=tuple(hashes)),)
+    )
+
+
+def test_the_block_rate_halves_while_the_writer_is_behind_and_doubles_back(
+    tmp_path: Path,
+) -> None:
+    """Adaptive sampling: the queue past half its bound halves the block rows' rate (at most
+    once a second); ten seconds with it below a fifth doubles it back, up to the setting. Each
+    row records its rate, and the rows kept are exactly the hash sample at that rate (a lower
+    rate keeps a subset of a higher one's blocks)."""
+    clock = FakeClock(0.0)
+    h = History(config(tmp_path, queue_max_rows=10_000), clock=FakeClock(), monotonic=clock)
+    sent: list[tuple[range, float]] = []
+
+    def send(at: float) -> float:
+        clock.now = at
+        hashes = range(len(sent) * 1000, len(sent) * 1000 + 1000)
+        h.record_batch(_stored(len(sent), hashes), received_ts=NOW)
+        sent.append((hashes, h.block_sample_rate))
+        return sent[-1][1]
+
+    # not started: nothing drains the queue. Six batches fill it to 0.6 within the first second
+    assert [send(0.1 * i) for i in range(6)] == [1.0] * 6
+    assert send(1.0) == 0.5  # past half, a second after the start
+    assert send(1.5) == 0.5  # still past half, but the last halving is half a second old
+    assert send(2.0) == 0.25
+    h.start()
+    try:
+        h.flush()  # caught up: the queue is empty
+        assert send(3.0) == 0.25  # low since 3.0
+        assert send(12.9) == 0.25
+        assert send(13.0) == 0.5  # ten seconds low
+        assert send(22.9) == 0.5  # ten seconds since that change, not since 3.0
+        assert send(23.0) == 1.0
+        assert send(40.0) == 1.0  # never above the setting
+        h.flush()
+        rows = set(h.query_live("SELECT block_hash, sample_rate FROM block_accesses"))
+        stats = h.stats()
+    finally:
+        h.close()
+    expected = set()
+    for hashes, rate in sent:
+        keep = block_keep_mask(np.array(hashes, dtype=np.uint64), rate)
+        expected |= {(int(b), rate) for b in np.array(hashes)[keep]}
+    assert rows == expected
+    assert {rate for _, rate in rows} == {1.0, 0.5, 0.25}
+    assert stats["block_sample_rate_changes"] == 4 and stats["rows_dropped"] == 0
+    assert stats["block_sample_rate"] == stats["block_sample_rate_max"] == 1.0
+
+
+def test_without_adaptive_sampling_the_rate_is_the_setting_and_a_full_queue_drops(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock(0.0)
+    cfg = config(tmp_path, queue_max_rows=5_000, adaptive_sampling=False, block_sample_rate=0.5)
+    h = History(cfg, clock=FakeClock(), monotonic=clock)
+    for i in range(12):
+        clock.now = float(i)
+        h.record_batch(_stored(i, range(i * 1000, i * 1000 + 1000)), received_ts=NOW)
+        assert h.block_sample_rate == 0.5
+    stats = h.stats()
+    assert stats["queue_rows"] == 5_000 and stats["rows_dropped"] == 2 * 500
+    assert stats["block_sample_rate_changes"] == 0
+    h.set_block_sample_rate(0.125)
+    assert h.block_sample_rate == h.stats()["block_sample_rate_max"] == 0.125
+    with pytest.raises(ValueError, match="block_sample_rate must be in"):
+        h.set_block_sample_rate(1.5)
+    h.close()
+
+
+def test_past_the_bound_a_batch_keeps_its_request_rows(tmp_path: Path) -> None:
+    """A batch whose block rows do not fit still queues its request rows while they do: the
+    requests table stays whole, the block rows are dropped and counted."""
+    h = History(config(tmp_path, queue_max_rows=100), clock=FakeClock(), monotonic=lambda: 0.0)
+    assert h.record("decisions", [{"ts": NOW, "kind": "evict"}] * 95)
+    prompt = tuple(range(1000, 1040))
+    batch = EventBatch(
+        source="s",
+        seq=1,
+        events=(
+            RequestStarted(ts=0, request_id="r1", workflow_id="w", agent="a",
+                           workflow_type="t", block_hashes=prompt, prompt_tokens=640),
+            BlocksStored(ts=0, tier="gpu", block_hashes=prompt, request_id="r1"),
+            RequestFinished(ts=1, request_id="r1", output_tokens=3),
+        ),
+    )  # fmt: skip
+    h.record_batch(batch, received_ts=NOW)
+    assert h.stats()["rows_dropped"] == 2 * 40  # the stored rows and the prompt's (hit) rows
+    with h:
+        h.flush()
+        assert h.query_live("SELECT request_id, output_tokens FROM requests") == [("r1", 3)]
+        assert h.query_live("SELECT count(*) FROM block_accesses") == [(0,)]
 
 
 def test_reading_duckdbs_memory_between_writes_leaves_the_connection_usable(
@@ -297,7 +396,7 @@ def test_snapshot_is_readable_by_plain_duckdb_while_the_writer_keeps_writing(
             with duckdb.connect(str(second), read_only=True) as fresh:
                 n2 = fresh.execute("SELECT count(*) FROM block_accesses").fetchone()
                 assert fresh.execute("SELECT version_num FROM alembic_version").fetchone() == (
-                    "0002",
+                    "0003",
                 )
             assert n2 is not None and n2[0] > n1[0]
         finally:
@@ -327,8 +426,8 @@ def test_start_refuses_a_newer_schema(tmp_path: Path) -> None:
     db = tmp_path / "h.duckdb"
     migrate(db)
     with duckdb.connect(str(db)) as conn:
-        conn.execute("UPDATE alembic_version SET version_num = '0003'")
-    with pytest.raises(SchemaTooNew, match="'0003'"):
+        conn.execute("UPDATE alembic_version SET version_num = '0999'")
+    with pytest.raises(SchemaTooNew, match="'0999'"):
         History(config(tmp_path)).start()
 
 

@@ -45,27 +45,27 @@ def columns(path: Path) -> dict[str, list[tuple[str, str]]]:
 def test_revisions_form_one_chain_found_from_the_checkout() -> None:
     assert (SCRIPT_LOCATION / "env.py").is_file()
     assert Path(__file__).resolve().parents[1] / "migrations" == SCRIPT_LOCATION
-    assert known_revisions() == ["0001", "0002"]
-    assert head_revision() == "0002"
+    assert known_revisions() == ["0001", "0002", "0003"]
+    assert head_revision() == "0003"
 
 
 def test_a_missing_file_is_created_at_head_matching_the_writer_schema(tmp_path: Path) -> None:
     db = tmp_path / "sub" / "h.duckdb"
     assert schema_revision(db) is None
-    assert migrate(db) == (None, "0002")
-    assert schema_revision(db) == "0002"
+    assert migrate(db) == (None, "0003")
+    assert schema_revision(db) == "0003"
     found = columns(db)
     for table, cols in TABLES.items():
         expected = [(KEY_COLUMN, "BIGINT")] + [(n, ARROW_TO_DUCKDB[str(t)]) for n, t in cols]
         assert found[table] == expected, table
-    assert migrate(db) == ("0002", "0002")  # idempotent
+    assert migrate(db) == ("0003", "0003")  # idempotent
 
 
 def test_an_empty_file_is_created_and_a_foreign_file_refused(tmp_path: Path) -> None:
     empty = tmp_path / "empty.duckdb"
     empty.touch()
     assert schema_revision(empty) is None
-    assert migrate(empty) == (None, "0002")
+    assert migrate(empty) == (None, "0003")
     foreign = tmp_path / "notes.duckdb"
     foreign.write_text("not a database\n")
     with pytest.raises(HistoryError, match="not a valid DuckDB database") as info:
@@ -84,7 +84,7 @@ def test_upgrade_from_0001_keeps_rows_and_adds_cache_stats_and_indexes(tmp_path:
             "VALUES (1.0, 'r1', 'planner', 4), (2.0, 'r2', 'coder', 9)"
         )
         conn.execute("INSERT INTO settings_changes (ts, key, new_value) VALUES (3.0, 'k', '3')")
-    assert migrate(db) == ("0001", "0002")
+    assert migrate(db, revision="0002") == ("0001", "0002")
     with duckdb.connect(str(db), read_only=True) as conn:
         assert conn.execute(
             "SELECT id, request_id, agent, prompt_blocks FROM requests ORDER BY ts"
@@ -101,6 +101,29 @@ def test_upgrade_from_0001_keeps_rows_and_adds_cache_stats_and_indexes(tmp_path:
         assert conn.execute("SELECT id FROM requests WHERE request_id = 'r3'").fetchone() == (3,)
 
 
+def test_upgrade_from_0002_adds_block_sample_rate_keeping_rows(tmp_path: Path) -> None:
+    """0003 adds ``block_accesses.sample_rate`` in place: the rows there stay, with NULL (their
+    rate was the setting of the time), and new rows carry theirs."""
+    db = tmp_path / "previous.duckdb"
+    assert migrate(db, revision="0002") == (None, "0002")
+    assert "sample_rate" not in dict(columns(db)["block_accesses"])
+    with duckdb.connect(str(db)) as conn:
+        conn.execute(
+            "INSERT INTO block_accesses (ts, kind, tier, block_hash) "
+            "VALUES (1.0, 'stored', 'gpu', 7), (2.0, 'removed', 'gpu', 7)"
+        )
+    assert migrate(db) == ("0002", "0003")
+    assert dict(columns(db)["block_accesses"])["sample_rate"] == "DOUBLE"
+    with duckdb.connect(str(db)) as conn:
+        conn.execute(
+            "INSERT INTO block_accesses (ts, kind, block_hash, sample_rate) "
+            "VALUES (3.0, 'stored', 8, 0.5)"
+        )
+        assert conn.execute(
+            "SELECT kind, block_hash, sample_rate FROM block_accesses ORDER BY ts"
+        ).fetchall() == [("stored", 7, None), ("removed", 7, None), ("stored", 8, 0.5)]
+
+
 def test_a_newer_file_is_refused_and_left_untouched(tmp_path: Path) -> None:
     db = tmp_path / "new.duckdb"
     migrate(db)
@@ -110,7 +133,7 @@ def test_a_newer_file_is_refused_and_left_untouched(tmp_path: Path) -> None:
     with pytest.raises(SchemaTooNew) as info:
         migrate(db)
     message = str(info.value)
-    assert "'0099'" in message and "'0002'" in message
+    assert "'0099'" in message and "'0003'" in message
     assert digest(db) == before
 
 
@@ -131,9 +154,9 @@ def test_cli_migrate_prints_from_and_to(tmp_path: Path, capsys: pytest.CaptureFi
     db = tmp_path / "cli.duckdb"
     migrate(db, revision="0001")
     assert main(["migrate", "--db", str(db)]) == 0
-    assert "from revision 0001 to 0002" in capsys.readouterr().out
+    assert "from revision 0001 to 0003" in capsys.readouterr().out
     assert main(["migrate", "--db", str(db)]) == 0
-    assert "already at revision 0002" in capsys.readouterr().out
+    assert "already at revision 0003" in capsys.readouterr().out
     with duckdb.connect(str(db)) as conn:
         conn.execute("UPDATE alembic_version SET version_num = 'ffff'")
     assert main(["migrate", "--db", str(db)]) == 3
@@ -148,4 +171,4 @@ def test_cli_migrate_defaults_to_policyd_db(
     monkeypatch.setenv("POLICYD_DB", str(db))
     assert main(["migrate"]) == 0
     assert str(db) in capsys.readouterr().out
-    assert schema_revision(db) == "0002"
+    assert schema_revision(db) == "0003"

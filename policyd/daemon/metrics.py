@@ -105,6 +105,11 @@ class _StatsCollector(Collector):
             "policyd_history_rows_dropped", "History rows dropped (queue full).",
             value=_num(history.get("rows_dropped")),
         )  # fmt: skip
+        yield GaugeMetricFamily(
+            "policyd_history_block_sample_rate",
+            "Share of block rows the history keeps now (lowered while its writer is behind).",
+            value=_num(history.get("block_sample_rate")),
+        )
 
 
 class Metrics:

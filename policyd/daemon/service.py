@@ -799,7 +799,7 @@ class Service:
                         for k in changed
                     }
             if "block_sample_rate" in changed:
-                self._set_block_sample_rate(self.float_setting("block_sample_rate"))
+                self.history.set_block_sample_rate(self.float_setting("block_sample_rate"))
             for k, v in changed.items():
                 rows.append(
                     {
@@ -815,12 +815,3 @@ class Service:
         if "snapshot_interval_s" in changed or "policy" in changed:
             self._publish_now.set()
         return {}
-
-    def _set_block_sample_rate(self, rate: float) -> None:
-        setter = getattr(self.history, "set_block_sample_rate", None)
-        if setter is not None:
-            setter(rate)
-        else:  # the history store has no setter yet: its fan-out reads the attribute per batch
-            fanout = getattr(self.history, "_fanout", None)
-            if fanout is not None:
-                fanout.block_sample_rate = rate

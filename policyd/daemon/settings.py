@@ -281,8 +281,9 @@ def tunables() -> dict[str, Tunable]:
                 min_exclusive=True),
         Tunable("host_tier_gib", float, 256.0, "Current host-tier size (sizing and pressure).",
                 min=0.0),
-        Tunable("block_sample_rate", float, 1.0, "Share of block-level rows the history keeps.",
-                min=0.0, max=1.0, min_exclusive=True),
+        Tunable("block_sample_rate", float, 1.0,
+                "Share of block-level rows the history keeps at most (halved while its writer "
+                "is behind).", min=0.0, max=1.0, min_exclusive=True),
         Tunable("snapshot_interval_s", float, 0.5, "Seconds between published snapshots.",
                 min=0.0, min_exclusive=True),
         Tunable("history_publish_interval_s", float, 30.0, "Seconds between published history "

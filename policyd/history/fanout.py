@@ -10,6 +10,7 @@ every row of a batch gets the batch's ``received_ts`` (its arrival at the daemon
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ class _BlockChunk:
     request_ids: list[str | None]
     counts: np.ndarray  # int64, one per event
     hashes: np.ndarray  # uint64, already sampled
+    rate: float  # the sample rate they were kept at
 
 
 @dataclass
@@ -110,6 +112,7 @@ class Pending:
             return pa.DictionaryArray.from_arrays(indices, dictionary).dictionary_decode()
 
         ts = np.concatenate([np.full(len(c.counts), c.ts, dtype=np.float64) for c in chunks])
+        rates = np.repeat([c.rate for c in chunks], [len(c.hashes) for c in chunks])
         return pa.table(
             {
                 "ts": np.repeat(ts, counts),
@@ -117,6 +120,7 @@ class Pending:
                 "tier": repeat([t for c in chunks for t in c.tiers]),
                 "block_hash": np.concatenate([c.hashes for c in chunks]).view(np.int64),
                 "request_id": repeat([r for c in chunks for r in c.request_ids]),
+                "sample_rate": rates,
             },
             schema=ARROW_SCHEMAS["block_accesses"],
         )
@@ -162,7 +166,7 @@ class FanOut:
         if len(kept):
             pending.blocks.append(
                 _BlockChunk(ts, [a[0] for a in run], [a[1] for a in run],
-                            [a[2] for a in run], counts, kept)
+                            [a[2] for a in run], counts, kept, self.block_sample_rate)
             )  # fmt: skip
             pending.rows += len(kept)
 
@@ -179,7 +183,8 @@ class FanOut:
         kept = hashes[block_keep_mask(hashes, self.block_sample_rate)]
         if len(kept):
             counts = np.array([len(kept)], dtype=np.int64)
-            pending.blocks.append(_BlockChunk(ts, [kind], [tier], [request_id], counts, kept))
+            rate = self.block_sample_rate
+            pending.blocks.append(_BlockChunk(ts, [kind], [tier], [request_id], counts, kept, rate))
             pending.rows += len(kept)
 
     def _started(self, pending: Pending, e: Event, source: str, ts: float) -> None:
@@ -254,6 +259,8 @@ def _block_access(e: Event) -> _Access | None:
     return None
 
 
+_BLOCK_LEVEL: Final = (BlocksStored, BlocksRemoved, BlocksLoaded)
+
 _Handler = Callable[[FanOut, Pending, Event, str, float], None]
 # block-level events go through _block_access (sampled per run); AllBlocksCleared and
 # WorkflowFinished have no table: the daemon records what they cause
@@ -264,11 +271,18 @@ _HANDLERS: Final[dict[type, _Handler]] = {
 }
 
 
-def rows_estimate(batch: EventBatch) -> int:
-    """An upper bound on the rows a batch becomes (before sampling), for the queue's bound."""
-    n = len(batch.events)
+def rows_estimate(batch: EventBatch, rate: float = 1.0) -> int:
+    """The rows a batch becomes with block rows sampled at ``rate``, for the queue's bound: a
+    request row per request-level event at most, and ``rate`` of the hashes the events name
+    (the hash-chosen sample's expected size, rounded up; every hash at 1.0; a prompt's hashes
+    stand for its prefix hit's rows)."""
+    n = hashes = 0
     for e in batch.events:
-        hashes = getattr(e, "block_hashes", None)
-        if hashes:
-            n += len(hashes)
-    return n
+        if type(e) not in _BLOCK_LEVEL:
+            n += 1
+        named = getattr(e, "block_hashes", None)
+        if named:
+            hashes += len(named)
+    if rate <= 0.0:
+        return n
+    return n + (hashes if rate >= 1.0 else math.ceil(hashes * rate))

@@ -40,6 +40,7 @@ TABLES: Final[dict[str, tuple[tuple[str, pa.DataType], ...]]] = {
         ("tier", _STR),
         ("block_hash", _I8),
         ("request_id", _STR),
+        ("sample_rate", _F8),
     ),
     "decisions": (
         ("ts", _F8),

@@ -59,7 +59,15 @@ class HistoryConfig:
     snapshot_path: Path | None = None
     """Where snapshots are published; default: ``db_path`` with suffix ``.snapshot.duckdb``."""
     block_sample_rate: float = 1.0
-    """Fraction of block-level rows kept, chosen by block hash (a kept block keeps all rows)."""
+    """Fraction of block-level rows kept, chosen by block hash (a kept block keeps all rows).
+    With ``adaptive_sampling`` this is the most that is kept."""
+    adaptive_sampling: bool = True
+    """Halve the block rows' sample rate while the writer falls behind (its queue past half of
+    ``queue_max_rows``) and double it back, up to ``block_sample_rate``, once it has caught up:
+    a smaller, still hash-consistent sample instead of whole batches dropped at the bound.
+    Every block row records the rate it was sampled at (``sample_rate``)."""
+    min_block_sample_rate: float = 2.0**-10
+    """The adaptive rate is not halved below this."""
     retention_s: float | None = None
     """Drop rows whose ``ts`` is older than this many seconds; None keeps them."""
     retention_rows: int | None = None
@@ -81,6 +89,10 @@ class HistoryConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.block_sample_rate <= 1.0:
             raise ValueError(f"block_sample_rate must be in [0, 1], got {self.block_sample_rate}")
+        if not 0.0 < self.min_block_sample_rate <= 1.0:
+            raise ValueError(
+                f"min_block_sample_rate must be in (0, 1], got {self.min_block_sample_rate}"
+            )
         for name in ("retention_s", "retention_rows", "snapshot_interval_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -125,6 +137,18 @@ class _Batch:
     batch: EventBatch
     received_ts: float
     estimate: int
+    rate: float  # the block rows' sample rate it was admitted at
+
+
+# adaptive sampling (HistoryConfig.adaptive_sampling): the queue's fill, as a share of
+# queue_max_rows, at which the block rows' rate is halved / may be doubled back, and how long
+# after a change (or with the queue that low) the next one may come. Halving waits for the
+# last one to show (a write or two at flush_interval_s); doubling waits longer, so that a
+# writer which just caught up does not fall straight behind again.
+SAMPLE_DOWN_FILL: Final = 0.5
+SAMPLE_UP_FILL: Final = 0.2
+SAMPLE_DOWN_AFTER_S: Final = 1.0
+SAMPLE_UP_AFTER_S: Final = 10.0
 
 
 @dataclass
@@ -141,9 +165,16 @@ class History:
     """The single writer of one DuckDB file. A writer thread owns the connection and appends
     batches through Arrow; callers never block."""
 
-    def __init__(self, config: HistoryConfig, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        config: HistoryConfig,
+        *,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.clock = clock
+        self.monotonic = monotonic
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._queued_rows = 0
@@ -162,6 +193,13 @@ class History:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._fanout = FanOut(block_sample_rate=config.block_sample_rate)
+        # the block rows' sample rate: at most ``_rate_max`` (the setting), halved ``_halvings``
+        # times while the writer is behind (adaptive_sampling); guarded by _lock
+        self._rate_max = config.block_sample_rate
+        self._halvings = 0
+        self._rate_changed_s = monotonic()
+        self._rate_changes = 0
+        self._low_since_s: float | None = None
         self._pending = Pending()
         self._pending_estimate = 0
 
@@ -215,6 +253,63 @@ class History:
             self._queued_rows += n
             return True
 
+    @property
+    def block_sample_rate(self) -> float:
+        """The share of block rows kept now (the setting, halved while the writer is behind)."""
+        with self._lock:
+            return self._rate()
+
+    def set_block_sample_rate(self, rate: float) -> None:
+        """The most of the block rows to keep (the ``block_sample_rate`` setting), from now on."""
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"block_sample_rate must be in [0, 1], got {rate}")
+        with self._lock:
+            self._rate_max = rate
+            self._halvings = 0
+
+    def _rate(self) -> float:
+        return self._rate_max * 2.0**-self._halvings
+
+    def _adapt(self) -> float:
+        """The block rows' rate for the next batch, after halving it (the queue is past
+        ``SAMPLE_DOWN_FILL`` of its bound) or doubling it back (it stayed below
+        ``SAMPLE_UP_FILL`` for ``SAMPLE_UP_AFTER_S``). Called under ``_lock``."""
+        config = self.config
+        if not config.adaptive_sampling:
+            return self._rate_max
+        now = self.monotonic()
+        fill = self._queued_rows / config.queue_max_rows
+        if fill < SAMPLE_UP_FILL:
+            if self._low_since_s is None:
+                self._low_since_s = now
+        else:
+            self._low_since_s = None
+        rate = self._rate()
+        if (
+            fill >= SAMPLE_DOWN_FILL
+            and rate / 2.0 >= config.min_block_sample_rate
+            and now - self._rate_changed_s >= SAMPLE_DOWN_AFTER_S
+        ):
+            self._halvings += 1
+            self._rate_changed_s = now
+            self._rate_changes += 1
+            log.warning(
+                "history: the writer is behind (%.0f%% of its queue bound); block rows now "
+                "sampled at %.4g",
+                100.0 * fill,
+                self._rate(),
+            )
+        elif (
+            self._halvings
+            and self._low_since_s is not None
+            and now - max(self._low_since_s, self._rate_changed_s) >= SAMPLE_UP_AFTER_S
+        ):
+            self._halvings -= 1
+            self._rate_changed_s = now
+            self._rate_changes += 1
+            log.info("history: the writer caught up; block rows sampled at %.4g", self._rate())
+        return self._rate()
+
     def record(self, table: str, rows: Sequence[Mapping[str, object]]) -> bool:
         """Queue rows for ``table`` (the dicts are kept, not copied: do not mutate them after).
         Unknown table or column -> ValueError; over the queue's bound -> the rows are dropped
@@ -228,10 +323,23 @@ class History:
         return True
 
     def record_batch(self, batch: EventBatch, *, received_ts: float) -> None:
-        """Queue an event batch for ``requests`` and (sampled) ``block_accesses`` rows."""
-        estimate = rows_estimate(batch)
-        if self._admit(estimate):
-            self._queue.put(_Batch(batch, received_ts, estimate))
+        """Queue an event batch for ``requests`` and (sampled) ``block_accesses`` rows. Past
+        the queue's bound the block rows are dropped first: the request rows still go in while
+        they fit."""
+        with self._lock:
+            rate = self._adapt()
+            estimate = rows_estimate(batch, rate)
+            room = self.config.queue_max_rows - self._queued_rows
+            if not self._closed and estimate > room and rate > 0.0:
+                requests_only = rows_estimate(batch, 0.0)
+                if requests_only <= room:
+                    self._rows_dropped += estimate - requests_only
+                    rate, estimate = 0.0, requests_only
+            if self._closed or estimate > room:
+                self._rows_dropped += estimate
+                return
+            self._queued_rows += estimate
+        self._queue.put(_Batch(batch, received_ts, estimate, rate))
 
     def _call(self, fn: Callable[[], T], timeout_s: float) -> T:
         """Run ``fn`` on the writer thread after everything queued before it is written."""
@@ -275,9 +383,13 @@ class History:
         path = self.config.db_path
         with self._lock:
             queued, dropped = self._queued_rows, self._rows_dropped
+            rate, rate_max, changes = self._rate(), self._rate_max, self._rate_changes
         return {
             "rows_written": dict(self._rows_written),
             "rows_dropped": dropped,
+            "block_sample_rate": rate,
+            "block_sample_rate_max": rate_max,
+            "block_sample_rate_changes": changes,
             "rows_rejected": self._rows_rejected,
             "request_updates_unmatched": self._request_updates_unmatched,
             "queue_rows": queued,
@@ -345,6 +457,7 @@ class History:
             self._pending_estimate += len(item.rows)
         elif isinstance(item, _Batch):
             try:
+                self._fanout.block_sample_rate = item.rate
                 self._fanout.add(self._pending, item.batch, item.received_ts)
             except Exception as exc:
                 self._reject(item.estimate, f"event batch from {item.batch.source}", exc)
