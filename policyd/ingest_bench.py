@@ -468,6 +468,8 @@ def run_bench(
     blocks_shed = delta("block_events_shed")
     events_rx = delta("events_received", at_end)
     loads = [p["load_1m"] for p in series]
+    rates = [p["history_block_sample_rate"] for p in series]
+    rates = [rate for rate in rates if rate is not None]
     return {
         "seconds": seconds,
         "blocks_per_event": shape.blocks_per_event,
@@ -505,6 +507,10 @@ def run_bench(
         / TARGET_BLOCK_EVENTS_PER_S,
         "history_rows_per_s": (hist_after - hist_before) / drained_s,
         "history_rows_dropped": after["history"]["rows_dropped"],
+        # the block rows' sample rate: lowest seen while the writer was behind, and at the end
+        "history_block_rate_min": min(rates, default=None),
+        "history_block_rate_end": after["history"].get("block_sample_rate"),
+        "history_block_rate_changes": after["history"].get("block_sample_rate_changes"),
         "history_rows_rejected": after["history"]["rows_rejected"],
         "history_last_error": after["history"]["last_error"],
         "snapshot_latency_p50_ms": (_pct(latencies, 0.5) or 0) * 1000,
@@ -531,6 +537,7 @@ def _sample(t_s: float, st: dict[str, Any], pid: int, load_1m: float) -> dict[st
         "ingest_queue_frames": st["ingest_queue_frames"],
         "ingest_queue_depth": st["ingest_queue_depth"],
         "history_queue_rows": st["history"]["queue_rows"],
+        "history_block_sample_rate": st["history"].get("block_sample_rate"),
         "history_db_bytes": st["history"]["db_bytes"],
         "duckdb_memory_mib": (st["history"].get("duckdb_memory_bytes") or 0) / 2**20,
         "requests": st["requests"],
@@ -561,7 +568,7 @@ def render(r: dict[str, Any]) -> str:
         f"block events ({r['shed_block_events']:,}); frames "
         f"{r['frames_dropped']:,} cut at the hard bound; seq gaps {r['seq_gaps']}",
         f"  history rows written {r['history_rows_per_s']:,.0f} rows/s (block rows sampled at "
-        f"{r['block_sample_rate']}; dropped {r['history_rows_dropped']:,}, rejected "
+        f"{_rates(r)}; dropped {r['history_rows_dropped']:,}, rejected "
         f"{r['history_rows_rejected']:,}; last error {r['history_last_error']})",
         f"  snapshot publish->receive p50 {r['snapshot_latency_p50_ms']:.2f} ms, p99 "
         f"{r['snapshot_latency_p99_ms']:.2f} ms ({r['snapshots_received']} snapshots)",
@@ -647,13 +654,23 @@ def kept_up(r: dict[str, Any]) -> bool:
     return bool(r["block_shed_rate"] <= KEPT_UP_SHED and drain_s <= KEPT_UP_DRAIN_S)
 
 
+def _rates(r: dict[str, Any]) -> str:
+    """The history's block-row sample rate over a run: the setting, or (adaptive sampling
+    lowered it) the setting, the lowest and the last, e.g. ``1 (min 0.125, end 0.5)``."""
+    low, end = r.get("history_block_rate_min"), r.get("history_block_rate_end")
+    setting = f"{r['block_sample_rate']:g}"
+    if low is None or end is None or (low >= r["block_sample_rate"] and end >= low):
+        return setting
+    return f"{setting} (min {low:g}, end {end:g})"
+
+
 def render_sweep(runs: Sequence[dict[str, Any]]) -> str:
     """One line per offered rate, then the highest rate the daemon kept up with."""
     lines = [
         "sustained ingest, one fresh daemon per offered rate:",
         f"  {'offered/s':>11} {'x target':>8} {'applied':>8} {'shed':>6} {'drain s':>7} "
-        f"{'load':>4} {'history rows dropped':>20}  kept up   (applied: share of the block "
-        "events sent)",
+        f"{'load':>4} {'history rows dropped':>20} {'history block rate':>24}  kept up   "
+        "(applied: share of the block events sent)",
     ]
     for r in runs:
         sent = r["sent_block_events"]
@@ -662,8 +679,8 @@ def render_sweep(runs: Sequence[dict[str, Any]]) -> str:
             f"  {r['sent_block_events_per_s']:11,.0f} "
             f"{r['sent_block_events_per_s'] / TARGET_BLOCK_EVENTS_PER_S:8.2f} {applied:8.1%} "
             f"{r['block_shed_rate']:6.1%} {r['drained_s'] - r['window_s']:7.1f} "
-            f"{r['load_1m_mean']:4.1f} {r['history_rows_dropped']:20,}  "
-            f"{'yes' if kept_up(r) else 'no'}"
+            f"{r['load_1m_mean']:4.1f} {r['history_rows_dropped']:20,} "
+            f"{_rates(r):>24}  {'yes' if kept_up(r) else 'no'}"
         )
     best = max((r["sent_block_events_per_s"] for r in runs if kept_up(r)), default=None)
     target = TARGET_BLOCK_EVENTS_PER_S

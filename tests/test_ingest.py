@@ -264,6 +264,12 @@ def test_the_bench_drives_a_real_daemon_and_accounts_for_every_block_event(
     backlog = {**r, "drained_s": r["window_s"] + 30.0}
     assert not kept_up(shed_some) and not kept_up(backlog)
     assert "sustained: none" in render_sweep([shed_some, backlog])
+    # the history kept its block rows at the setting here; a run where the writer fell behind
+    # says how low the adaptive rate went
+    assert r["history_block_rate_min"] == r["history_block_rate_end"] == 1.0
+    assert "sampled at 1;" in render(r)
+    behind = {**r, "history_block_rate_min": 0.125, "history_block_rate_end": 0.5}
+    assert "1 (min 0.125, end 0.5)" in render_sweep([behind])
 
 
 def test_stage_costs_measure_every_stage() -> None:
