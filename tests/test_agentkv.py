@@ -168,6 +168,27 @@ def test_a_degraded_predictor_ranks_by_the_learned_step_graph() -> None:
     assert scores[9001] == scores[SYS[0]] == 0.5
 
 
+def test_a_retired_shared_prefix_the_next_call_needs_is_not_published_as_retired() -> None:
+    """Every workflow that read the planner's system prompt finished; a live one that ran its
+    coder calls the planner next: on both tiers, and whether the predictor is trusted or
+    degraded (the learned graph ranks then), the prompt keeps its live score."""
+    for degraded in (False, True):
+        engine, policy, clock = trained()
+        if degraded:
+            policy.min_accuracy = 1.01
+        assert set(SYS) <= policy.retired
+        blocks = start(engine, clock, "live.0", "live", agent="coder", private=(9001,))
+        finish(engine, clock, "live.0", blocks)
+        snap = engine.snapshot()
+        assert policy.degraded is degraded
+        assert snap.host_scores is not None
+        for groups in (snap.scores, snap.host_scores):
+            scores = {b: g.score for g in groups for b in g.block_hashes}
+            assert min(scores[b] for b in SYS) > 0.0
+            dead = policy.retired - set(SYS)
+            assert dead and all(scores[b] < 0.0 for b in dead)
+
+
 def test_the_step_graph_is_learned_and_an_unknown_position_falls_back_to_recency() -> None:
     graph = StepGraph()
     for agent in ("planner", "coder", "tester", "debugger", "coder", "tester"):

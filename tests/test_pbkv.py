@@ -74,6 +74,26 @@ def test_retired_blocks_score_lowest_and_are_published_first():
     assert set(ranked) == retired
 
 
+def test_a_retired_shared_prefix_an_active_workflow_will_use_keeps_its_live_score():
+    """Scenario: every workflow that read the planner's system prompt has finished (so each
+    of its blocks is retired), and a live workflow that has run only its coder is forecast to
+    call the planner next: the prompt is published at its lookahead value, not as retired
+    (it was evicted first before, the block the lookahead says is reused next)."""
+    engine, policy = trained_engine()
+    assert set(SYS) <= policy.retired
+    call(engine, "live.0", "live", "coder", (9001,))
+    assert set(SYS) <= policy.retired  # the coder's prompt does not hold SYS
+    snapshot = engine.snapshot()
+    scores = {b: g.score for g in snapshot.scores for b in g.block_hashes}
+    assert min(scores[b] for b in SYS) > 0.0
+    assert scores == {**policy.block_scores(engine.state)}
+    dead = policy.retired - set(SYS)
+    assert dead and all(scores[b] == RETIRED_SCORE for b in dead)
+    resident_dead = [b for b in dead if b in engine.state.resident["gpu"]]
+    ranked = policy.victims("gpu", [*SYS, *resident_dead], len(resident_dead), engine.state)
+    assert set(ranked) == set(resident_dead)
+
+
 def test_a_useless_predictor_publishes_no_scores_only_lifecycle():
     """Scenario: below the accuracy floor pbkv degrades to recency + lifecycle."""
     engine, policy = trained_engine()

@@ -46,7 +46,7 @@ import msgspec
 from policyd.engine import EngineState
 from policyd.mrc import Sizing
 from policyd.policies.efficientagent import WorkingSet
-from policyd.policies.pbkv import PBKV, RETIRED_SCORE
+from policyd.policies.pbkv import PBKV
 from policyd.policies.referee import RankingReferee
 from policyd.policies.stepgraph import StepGraph
 from policyd.predictor import Predictor
@@ -172,11 +172,15 @@ class AgentKV(PBKV):
         snap = super().snapshot(state, now=now, version=version, ttl_s=ttl_s)
         if self.degraded:  # PBKV published lifecycle only: rank the rest by the learned graph
             groups = self.structural_groups(state)
-            snap = msgspec.structs.replace(snap, scores=(*groups, *snap.scores))
+            retired = self.retired_group(groups)
+            snap = msgspec.structs.replace(
+                snap, scores=(*groups, retired) if retired is not None else tuple(groups)
+            )
         gpu_scores, _ = _disjoint(snap.scores)
         host_groups = self._resident_first(self._host_groups, state)
-        if self.retired:
-            host_groups.append(ScoredBlocks(RETIRED_SCORE, tuple(self.retired)))
+        retired = self.retired_group(host_groups)
+        if retired is not None:
+            host_groups.append(retired)
         host_scores, self._published = _disjoint(host_groups)
         pressure = self.working_set.pressure(state, now, theta=self.theta, source="shards")
         write_filter = WriteFilter(

@@ -20,6 +20,7 @@ the private rest of its prompt - the structure of agent prompts makes these disj
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 from policyd.engine import EngineState
@@ -150,8 +151,9 @@ class PBKV(ScoredPolicy):
         )
         if not self.degraded:
             groups = self.score_groups(state)
-        if self.retired:
-            groups.append(ScoredBlocks(RETIRED_SCORE, tuple(self.retired)))
+        retired = self.retired_group(groups)
+        if retired is not None:
+            groups.append(retired)
         retired_workflows = tuple(w.workflow_id for w in state.workflows.values() if w.done)
         return PolicySnapshot(
             version=version,
@@ -163,9 +165,20 @@ class PBKV(ScoredPolicy):
             retired_workflows=retired_workflows,
         )
 
+    def retired_group(self, live: Sequence[ScoredBlocks]) -> ScoredBlocks | None:
+        """The retired blocks that no ``live`` group scores, at ``RETIRED_SCORE`` (None: none).
+        A block every owner of which finished but that an active workflow is expected to use
+        - an agent's shared prefix (its system prompt) before the next workflow calls the
+        agent - keeps its live score: retiring it would evict first what the lookahead says is
+        reused next."""
+        if not self.retired:
+            return None
+        dead = self.retired.difference(*[g.block_hashes for g in live])
+        return ScoredBlocks(RETIRED_SCORE, tuple(dead)) if dead else None
+
     def block_scores(self, state: EngineState) -> dict[int, float]:
         scores = score_map(self.score_groups(state))
-        scores.update(dict.fromkeys(self.retired, RETIRED_SCORE))
+        scores.update(dict.fromkeys(self.retired.difference(scores), RETIRED_SCORE))
         return scores
 
     # -- synchronous decisions -----------------------------------------------------------------
