@@ -171,6 +171,8 @@ class Engine:
     """Feeds events to the state and to the policy; answers decisions.
 
     ``idle_timeout_s``: a workflow with no running request for this long is inferred finished.
+    ``hook``: called with each event after the state and the policy saw it (the daemon's
+    bookkeeping).
     """
 
     def __init__(
@@ -180,8 +182,10 @@ class Engine:
         clock: Clock = time.monotonic,
         snapshot_ttl_s: float = 5.0,
         idle_timeout_s: float = 600.0,
+        hook: Callable[[Event], None] | None = None,
     ) -> None:
         self.policy = policy
+        self.hook = hook
         self.clock = clock
         self.snapshot_ttl_s = snapshot_ttl_s
         self.idle_timeout_s = idle_timeout_s
@@ -207,13 +211,23 @@ class Engine:
             state.counters.seq_gaps += 1
         state.last_seq[batch.source] = batch.seq
         state.counters.batches += 1
-        for event in batch.events:
-            self.apply_event(event)
+        # apply_event per event, inlined (one clock read per batch: it arrived at once)
+        events = batch.events
+        now = self.clock()
+        handlers, observe, hook = self._handlers, self.policy.observe, self.hook
+        for event in events:
+            handlers[type(event)](state, event, now)
+            observe(event, state)
+            if hook is not None:
+                hook(event)
+        state.counters.events += len(events)
 
     def apply_event(self, event: Event) -> None:
         self._handlers[type(event)](self.state, event, self.clock())
         self.state.counters.events += 1
         self.policy.observe(event, self.state)
+        if self.hook is not None:
+            self.hook(event)
 
     def tick(self) -> list[WorkflowFinished]:
         """Infer finished workflows after ``idle_timeout_s`` without a running request."""

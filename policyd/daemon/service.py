@@ -81,18 +81,6 @@ POLICY_PARAMS: Final[dict[str, str]] = {
 }
 
 
-class _ServiceEngine(Engine):
-    """The Engine with a hook after each event (the service's bookkeeping)."""
-
-    def __init__(self, policy: Policy, *, hook: Callable[[Event], None], **kw: Any) -> None:
-        super().__init__(policy, **kw)
-        self.hook = hook
-
-    def apply_event(self, event: Event) -> None:
-        super().apply_event(event)
-        self.hook(event)
-
-
 GC_GEN0_THRESHOLD: Final = 50_000
 SWITCH_INTERVAL_S: Final = 0.001
 YIELD_S: Final = 0.0002  # how long the engine worker steps aside for a waiting lock holder
@@ -181,7 +169,7 @@ class Service:
         self.checkpoint_saves = 0
         self._restored_predictions: PredictionLog | None = None
         self._restore()
-        self.engine = _ServiceEngine(
+        self.engine = Engine(
             self._build_policy(str(self.tunables["policy"])),
             hook=self._observe,
             clock=clock,
