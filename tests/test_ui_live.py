@@ -87,6 +87,9 @@ def test_overview_shows_the_daemons_counters(app: AppTest, api: Client) -> None:
     assert metrics["requests"] == f"{stats['requests']:,}"
     assert metrics["policy"] == stats["policy"]
     assert metrics["GPU hit ratio"] == f"{stats['hit_ratio']['gpu']:.1%}"
+    # the demo's history keeps every block row: its writer is never behind
+    assert metrics["block rows kept"] == f"{stats['history']['block_sample_rate']:.1%}" == "100.0%"
+    assert metrics["history rows dropped"] == "0"
     assert any("connected" in c.value for c in app.sidebar.caption)
 
 

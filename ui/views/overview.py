@@ -44,6 +44,18 @@ def live() -> None:
     row3[1].metric("events shed", _ratio(stats.get("shed_rate")))
     row3[2].metric("sequence gaps", f"{int(stats.get('seq_gaps') or 0):,}")
     row3[3].metric("uptime", f"{float(stats.get('uptime_s') or 0):,.0f} s")
+    history = stats.get("history") or {}
+    written = sum(int(n) for n in (history.get("rows_written") or {}).values())
+    row4 = st.columns(4)
+    row4[0].metric("history rows written", f"{written:,}")
+    row4[1].metric("history rows dropped", f"{int(history.get('rows_dropped') or 0):,}")
+    row4[2].metric(
+        "block rows kept",
+        _ratio(history.get("block_sample_rate")),
+        help="Share of block-level rows the history keeps now: the block_sample_rate setting, "
+        "halved while the history writer is behind.",
+    )
+    row4[3].metric("history queue", f"{int(history.get('queue_rows') or 0):,} rows")
     with st.expander("All counters (raw JSON)"):
         st.json(stats)
 
