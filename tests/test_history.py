@@ -3,6 +3,7 @@ the locked-down query path and by plain DuckDB connections."""
 
 from __future__ import annotations
 
+import doctest
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +21,10 @@ from policyd.history import (
     default_snapshot_path,
     migrate,
     run_readonly_query,
+    sampling,
 )
 from policyd.history.fanout import block_keep_mask
+from policyd.history.sampling import AdaptiveRate
 from policyd.sim.replay import SimConfig
 from policyd.types import (
     BlocksLoaded,
@@ -297,6 +300,30 @@ def test_the_block_rate_halves_while_the_writer_is_behind_and_doubles_back(
     assert {rate for _, rate in rows} == {1.0, 0.5, 0.25}
     assert stats["block_sample_rate_changes"] == 4 and stats["rows_dropped"] == 0
     assert stats["block_sample_rate"] == stats["block_sample_rate_max"] == 1.0
+
+
+def test_the_rate_is_not_halved_again_while_the_queue_drains() -> None:
+    """A halving shows once the backlog queued before it is written: a queue past half its
+    bound but shrinking keeps the rate; one still growing halves it again; the floor holds."""
+    assert doctest.testmod(sampling).failed == 0
+    rate = AdaptiveRate(ceiling=1.0, floor=0.25, now=0.0)
+    assert rate.update(0.9, 1.0) == 0.5  # past half and growing (from nothing)
+    assert [rate.update(fill, t) for fill, t in [(0.95, 2.0), (0.9, 3.0), (0.8, 4.0)]] == [
+        0.25,  # still growing a second later
+        0.25,  # draining: held (and 0.125 would be under the floor anyway)
+        0.25,
+    ]
+    rate = AdaptiveRate(ceiling=0.5, floor=2.0**-10, now=0.0)
+    assert [rate.update(fill, t) for fill, t in [(0.7, 1.0), (0.6, 2.0), (0.55, 3.0)]] == [
+        0.25,
+        0.25,  # the queue shrinks at the halved rate: no second halving
+        0.25,
+    ]
+    assert rate.update(0.65, 4.0) == 0.125  # growing again
+    rate.set_ceiling(1.0)
+    assert rate.rate == 1.0 and rate.changes == 2
+    fixed = AdaptiveRate(ceiling=0.5, floor=2.0**-10, now=0.0, adaptive=False)
+    assert {fixed.update(1.0, float(t)) for t in range(10)} == {0.5}
 
 
 def test_without_adaptive_sampling_the_rate_is_the_setting_and_a_full_queue_drops(

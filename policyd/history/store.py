@@ -29,6 +29,7 @@ import pyarrow as pa  # type: ignore[import-untyped]
 from policyd.history.fanout import FanOut, Pending, rows_estimate
 from policyd.history.files import default_snapshot_path
 from policyd.history.revisions import HistoryError, _open_error, migrate
+from policyd.history.sampling import AdaptiveRate
 from policyd.history.schema import ARROW_SCHEMAS, TABLES, check_rows
 from policyd.history.snapshot import copy_database
 from policyd.types import EventBatch
@@ -140,17 +141,6 @@ class _Batch:
     rate: float  # the block rows' sample rate it was admitted at
 
 
-# adaptive sampling (HistoryConfig.adaptive_sampling): the queue's fill, as a share of
-# queue_max_rows, at which the block rows' rate is halved / may be doubled back, and how long
-# after a change (or with the queue that low) the next one may come. Halving waits for the
-# last one to show (a write or two at flush_interval_s); doubling waits longer, so that a
-# writer which just caught up does not fall straight behind again.
-SAMPLE_DOWN_FILL: Final = 0.5
-SAMPLE_UP_FILL: Final = 0.2
-SAMPLE_DOWN_AFTER_S: Final = 1.0
-SAMPLE_UP_AFTER_S: Final = 10.0
-
-
 @dataclass
 class _Call:
     fn: Callable[[], object]
@@ -193,13 +183,13 @@ class History:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._fanout = FanOut(block_sample_rate=config.block_sample_rate)
-        # the block rows' sample rate: at most ``_rate_max`` (the setting), halved ``_halvings``
-        # times while the writer is behind (adaptive_sampling); guarded by _lock
-        self._rate_max = config.block_sample_rate
-        self._halvings = 0
-        self._rate_changed_s = monotonic()
-        self._rate_changes = 0
-        self._low_since_s: float | None = None
+        # the block rows' sample rate (adaptive_sampling); guarded by _lock
+        self._rate = AdaptiveRate(
+            ceiling=config.block_sample_rate,
+            floor=config.min_block_sample_rate,
+            now=monotonic(),
+            adaptive=config.adaptive_sampling,
+        )
         self._pending = Pending()
         self._pending_estimate = 0
 
@@ -257,58 +247,14 @@ class History:
     def block_sample_rate(self) -> float:
         """The share of block rows kept now (the setting, halved while the writer is behind)."""
         with self._lock:
-            return self._rate()
+            return self._rate.rate
 
     def set_block_sample_rate(self, rate: float) -> None:
         """The most of the block rows to keep (the ``block_sample_rate`` setting), from now on."""
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"block_sample_rate must be in [0, 1], got {rate}")
         with self._lock:
-            self._rate_max = rate
-            self._halvings = 0
-
-    def _rate(self) -> float:
-        return self._rate_max * 2.0**-self._halvings
-
-    def _adapt(self) -> float:
-        """The block rows' rate for the next batch, after halving it (the queue is past
-        ``SAMPLE_DOWN_FILL`` of its bound) or doubling it back (it stayed below
-        ``SAMPLE_UP_FILL`` for ``SAMPLE_UP_AFTER_S``). Called under ``_lock``."""
-        config = self.config
-        if not config.adaptive_sampling:
-            return self._rate_max
-        now = self.monotonic()
-        fill = self._queued_rows / config.queue_max_rows
-        if fill < SAMPLE_UP_FILL:
-            if self._low_since_s is None:
-                self._low_since_s = now
-        else:
-            self._low_since_s = None
-        rate = self._rate()
-        if (
-            fill >= SAMPLE_DOWN_FILL
-            and rate / 2.0 >= config.min_block_sample_rate
-            and now - self._rate_changed_s >= SAMPLE_DOWN_AFTER_S
-        ):
-            self._halvings += 1
-            self._rate_changed_s = now
-            self._rate_changes += 1
-            log.warning(
-                "history: the writer is behind (%.0f%% of its queue bound); block rows now "
-                "sampled at %.4g",
-                100.0 * fill,
-                self._rate(),
-            )
-        elif (
-            self._halvings
-            and self._low_since_s is not None
-            and now - max(self._low_since_s, self._rate_changed_s) >= SAMPLE_UP_AFTER_S
-        ):
-            self._halvings -= 1
-            self._rate_changed_s = now
-            self._rate_changes += 1
-            log.info("history: the writer caught up; block rows sampled at %.4g", self._rate())
-        return self._rate()
+            self._rate.set_ceiling(rate)
 
     def record(self, table: str, rows: Sequence[Mapping[str, object]]) -> bool:
         """Queue rows for ``table`` (the dicts are kept, not copied: do not mutate them after).
@@ -327,7 +273,9 @@ class History:
         the queue's bound the block rows are dropped first: the request rows still go in while
         they fit."""
         with self._lock:
-            rate = self._adapt()
+            rate = self._rate.update(
+                self._queued_rows / self.config.queue_max_rows, self.monotonic()
+            )
             estimate = rows_estimate(batch, rate)
             room = self.config.queue_max_rows - self._queued_rows
             if not self._closed and estimate > room and rate > 0.0:
@@ -383,7 +331,7 @@ class History:
         path = self.config.db_path
         with self._lock:
             queued, dropped = self._queued_rows, self._rows_dropped
-            rate, rate_max, changes = self._rate(), self._rate_max, self._rate_changes
+            rate, rate_max, changes = self._rate.rate, self._rate.ceiling, self._rate.changes
         return {
             "rows_written": dict(self._rows_written),
             "rows_dropped": dropped,
