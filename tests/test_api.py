@@ -228,3 +228,6 @@ def test_metrics_parse_and_match_stats(http: httpx.Client) -> None:
     assert "policyd_decision_latency_seconds" in families
     tiers = {s.labels["tier"] for s in families["policyd_hit_blocks"].samples}
     assert tiers == {"gpu", "host", "recomputed"}
+    history = http.get("/api/stats").json()["history"]
+    rate = families["policyd_history_block_sample_rate"].samples[0].value
+    assert rate == history["block_sample_rate"] == history["block_sample_rate_max"] == 1.0
