@@ -153,6 +153,15 @@ def test_bad_settings_are_refused_and_nothing_is_applied(http: httpx.Client) -> 
     assert all(s["help"] for s in listing)
 
 
+def test_the_block_sample_rate_setting_reaches_the_history(http: httpx.Client) -> None:
+    """The setting is the most the history keeps (it halves it by itself while behind)."""
+    for rate in (0.25, 1.0):
+        r = http.put("/api/settings", json={"block_sample_rate": rate}, headers=ADMIN)
+        assert r.status_code == 200
+        history = http.get("/api/stats").json()["history"]
+        assert history["block_sample_rate"] == history["block_sample_rate_max"] == rate
+
+
 def test_live_settings_apply_and_are_recorded(daemon: RunningDaemon, http: httpx.Client) -> None:
     service = daemon.service
     checked_before = list(service.predictor.tracker.checked)
