@@ -64,7 +64,8 @@ class HistoryConfig:
     With ``adaptive_sampling`` this is the most that is kept."""
     adaptive_sampling: bool = True
     """Halve the block rows' sample rate while the writer falls behind (its queue past half of
-    ``queue_max_rows``) and double it back, up to ``block_sample_rate``, once it has caught up:
+    ``queue_max_rows`` and growing; ``policyd.history.sampling``) and double it back, up to
+    ``block_sample_rate``, once it has caught up:
     a smaller, still hash-consistent sample instead of whole batches dropped at the bound.
     Every block row records the rate it was sampled at (``sample_rate``)."""
     min_block_sample_rate: float = 2.0**-10
