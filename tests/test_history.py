@@ -280,13 +280,17 @@ def test_the_block_rate_halves_while_the_writer_is_behind_and_doubles_back(
     assert send(2.0) == 0.25
     h.start()
     try:
-        h.flush()  # caught up: the queue is empty
-        assert send(3.0) == 0.25  # low since 3.0
-        assert send(12.9) == 0.25
-        assert send(13.0) == 0.5  # ten seconds low
-        assert send(22.9) == 0.5  # ten seconds since that change, not since 3.0
-        assert send(23.0) == 1.0
-        assert send(40.0) == 1.0  # never above the setting
+
+        def caught_up(at: float) -> float:  # the writer has written everything queued
+            h.flush()
+            return send(at)
+
+        assert caught_up(3.0) == 0.25  # low since 3.0
+        assert caught_up(12.9) == 0.25
+        assert caught_up(13.0) == 0.5  # ten seconds low
+        assert caught_up(22.9) == 0.5  # ten seconds since that change, not since 3.0
+        assert caught_up(23.0) == 1.0
+        assert caught_up(40.0) == 1.0  # never above the setting
         h.flush()
         rows = set(h.query_live("SELECT block_hash, sample_rate FROM block_accesses"))
         stats = h.stats()
@@ -337,7 +341,8 @@ def test_without_adaptive_sampling_the_rate_is_the_setting_and_a_full_queue_drop
         h.record_batch(_stored(i, range(i * 1000, i * 1000 + 1000)), received_ts=NOW)
         assert h.block_sample_rate == 0.5
     stats = h.stats()
-    assert stats["queue_rows"] == 5_000 and stats["rows_dropped"] == 2 * 500
+    # the bound counts what a batch holds (all 1,000 hashes), not the 500 rows it makes
+    assert stats["queue_rows"] == 5_000 and stats["rows_dropped"] == 7 * 500
     assert stats["block_sample_rate_changes"] == 0
     h.set_block_sample_rate(0.125)
     assert h.block_sample_rate == h.stats()["block_sample_rate_max"] == 0.125
@@ -350,7 +355,7 @@ def test_past_the_bound_a_batch_keeps_its_request_rows(tmp_path: Path) -> None:
     """A batch whose block rows do not fit still queues its request rows while they do: the
     requests table stays whole, the block rows are dropped and counted."""
     h = History(config(tmp_path, queue_max_rows=100), clock=FakeClock(), monotonic=lambda: 0.0)
-    assert h.record("decisions", [{"ts": NOW, "kind": "evict"}] * 95)
+    assert h.record("decisions", [{"ts": NOW, "kind": "evict"}] * 55)
     prompt = tuple(range(1000, 1040))
     batch = EventBatch(
         source="s",
@@ -363,7 +368,10 @@ def test_past_the_bound_a_batch_keeps_its_request_rows(tmp_path: Path) -> None:
         ),
     )  # fmt: skip
     h.record_batch(batch, received_ts=NOW)
-    assert h.stats()["rows_dropped"] == 2 * 40  # the stored rows and the prompt's (hit) rows
+    # it holds 82 (2 request events, 2 x 40 hashes) against room for 45: cut to the request
+    # events (holding 42, the prompt's hashes included), its 40 stored rows dropped
+    stats = h.stats()
+    assert stats["rows_dropped"] == 40 and stats["queue_rows"] == 55 + 42
     with h:
         h.flush()
         assert h.query_live("SELECT request_id, output_tokens FROM requests") == [("r1", 3)]

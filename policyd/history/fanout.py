@@ -261,6 +261,16 @@ def _block_access(e: Event) -> _Access | None:
 
 _BLOCK_LEVEL: Final = (BlocksStored, BlocksRemoved, BlocksLoaded)
 
+
+def requests_only(batch: EventBatch) -> EventBatch:
+    """``batch`` without its block-level events (what is kept of it past the queue's bound)."""
+    return EventBatch(
+        source=batch.source,
+        seq=batch.seq,
+        events=tuple([e for e in batch.events if type(e) not in _BLOCK_LEVEL]),
+    )
+
+
 _Handler = Callable[[FanOut, Pending, Event, str, float], None]
 # block-level events go through _block_access (sampled per run); AllBlocksCleared and
 # WorkflowFinished have no table: the daemon records what they cause

@@ -26,7 +26,7 @@ from typing import Any, Final, TypeVar
 import duckdb
 import pyarrow as pa  # type: ignore[import-untyped]
 
-from policyd.history.fanout import FanOut, Pending, rows_estimate
+from policyd.history.fanout import FanOut, Pending, requests_only, rows_estimate
 from policyd.history.files import default_snapshot_path
 from policyd.history.revisions import HistoryError, _open_error, migrate
 from policyd.history.sampling import AdaptiveRate
@@ -138,7 +138,7 @@ class _Rows:
 class _Batch:
     batch: EventBatch
     received_ts: float
-    estimate: int
+    estimate: int  # what it holds, in rows (rows_estimate at rate 1), until fanned out
     rate: float  # the block rows' sample rate it was admitted at
 
 
@@ -270,25 +270,28 @@ class History:
         return True
 
     def record_batch(self, batch: EventBatch, *, received_ts: float) -> None:
-        """Queue an event batch for ``requests`` and (sampled) ``block_accesses`` rows. Past
-        the queue's bound the block rows are dropped first: the request rows still go in while
-        they fit."""
+        """Queue an event batch for ``requests`` and (sampled) ``block_accesses`` rows.
+
+        The queue's bound counts what a batch holds until the writer fans it out - every event
+        and hash, whatever the sample rate - so memory stays bounded however low the rate goes.
+        A batch past the bound is cut to its request-level events, whose rows still go in while
+        they fit; the rows its block events would have made are dropped and counted."""
         with self._lock:
             rate = self._rate.update(
                 self._queued_rows / self.config.queue_max_rows, self.monotonic()
             )
-            estimate = rows_estimate(batch, rate)
+            held = rows_estimate(batch)
             room = self.config.queue_max_rows - self._queued_rows
-            if not self._closed and estimate > room and rate > 0.0:
-                requests_only = rows_estimate(batch, 0.0)
-                if requests_only <= room:
-                    self._rows_dropped += estimate - requests_only
-                    rate, estimate = 0.0, requests_only
-            if self._closed or estimate > room:
-                self._rows_dropped += estimate
+            if held > room and not self._closed:
+                cut = requests_only(batch)
+                if cut.events and rows_estimate(cut) <= room:
+                    self._rows_dropped += rows_estimate(batch, rate) - rows_estimate(cut, rate)
+                    batch, held = cut, rows_estimate(cut)
+            if held > room or self._closed:
+                self._rows_dropped += rows_estimate(batch, rate)
                 return
-            self._queued_rows += estimate
-        self._queue.put(_Batch(batch, received_ts, estimate, rate))
+            self._queued_rows += held
+        self._queue.put(_Batch(batch, received_ts, held, rate))
 
     def _call(self, fn: Callable[[], T], timeout_s: float) -> T:
         """Run ``fn`` on the writer thread after everything queued before it is written."""
