@@ -282,10 +282,11 @@ _HANDLERS: Final[dict[type, _Handler]] = {
 
 
 def rows_estimate(batch: EventBatch, rate: float = 1.0) -> int:
-    """The rows a batch becomes with block rows sampled at ``rate``, for the queue's bound: a
-    request row per request-level event at most, and ``rate`` of the hashes the events name
-    (the hash-chosen sample's expected size, rounded up; every hash at 1.0; a prompt's hashes
-    stand for its prefix hit's rows)."""
+    """The rows a batch becomes with block rows sampled at ``rate``: a request row per
+    request-level event at most, and ``rate`` of the hashes the events name (the hash-chosen
+    sample's expected size, rounded up; a prompt's hashes stand for its prefix hit's rows). At
+    1.0 (every hash) it is also what the batch holds until it is fanned out: the queue's bound
+    counts that."""
     n = hashes = 0
     for e in batch.events:
         if type(e) not in _BLOCK_LEVEL:

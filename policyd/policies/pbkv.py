@@ -1,6 +1,8 @@
 """``pbkv``: prediction-based KV-cache management (PBKV, arXiv 2605.06472).
 
-* Lifecycle: blocks every owning workflow of which has finished are *retired* and evicted first.
+* Lifecycle: blocks every owning workflow of which has finished are *retired* and evicted first
+  - unless an active workflow's lookahead scores them (an agent's shared prefix before the next
+  workflow calls the agent keeps its value).
 * Lookahead score: value(block) = sum over active workflows w and steps k = 1..K of
   discount^(k-1) * P_w(step k calls an agent whose prompt contains the block) (the predictor's
   joint probability already includes that w is still running at step k). An agent's next prompt
