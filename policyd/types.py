@@ -120,6 +120,9 @@ Event = (
     | WorkflowFinished
 )
 
+# the events that name blocks on a tier (what ingest sheds and the history samples)
+BLOCK_LEVEL: Final = (BlocksStored, BlocksRemoved, BlocksLoaded)
+
 
 class EventBatch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """Events from one source, numbered: a gap in ``seq`` is counted by the receiver, not fatal."""

@@ -39,9 +39,9 @@ import msgspec
 import zmq
 
 from policyd.types import (
+    BLOCK_LEVEL,
     AllBlocksCleared,
     BlocksLoaded,
-    BlocksRemoved,
     BlocksStored,
     Codec,
     CodecError,
@@ -54,7 +54,6 @@ from policyd.wire import MAX_EVENTS_PER_BATCH
 
 log = logging.getLogger(__name__)
 
-BLOCK_LEVEL: Final = (BlocksStored, BlocksRemoved, BlocksLoaded)
 _MASK: Final = (1 << 64) - 1
 HARD_BOUND_FACTOR: Final = 2  # past this many times max_frames, frames keep closing events only
 LAST_RESORT_FACTOR: Final = 4  # past this many times max_frames, frames are dropped whole

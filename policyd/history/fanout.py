@@ -21,6 +21,7 @@ import pyarrow as pa  # type: ignore[import-untyped]
 
 from policyd.history.schema import ARROW_SCHEMAS
 from policyd.types import (
+    BLOCK_LEVEL,
     BlocksLoaded,
     BlocksRemoved,
     BlocksStored,
@@ -259,15 +260,12 @@ def _block_access(e: Event) -> _Access | None:
     return None
 
 
-_BLOCK_LEVEL: Final = (BlocksStored, BlocksRemoved, BlocksLoaded)
-
-
 def requests_only(batch: EventBatch) -> EventBatch:
     """``batch`` without its block-level events (what is kept of it past the queue's bound)."""
     return EventBatch(
         source=batch.source,
         seq=batch.seq,
-        events=tuple([e for e in batch.events if type(e) not in _BLOCK_LEVEL]),
+        events=tuple([e for e in batch.events if type(e) not in BLOCK_LEVEL]),
     )
 
 
@@ -289,7 +287,7 @@ def rows_estimate(batch: EventBatch, rate: float = 1.0) -> int:
     counts that."""
     n = hashes = 0
     for e in batch.events:
-        if type(e) not in _BLOCK_LEVEL:
+        if type(e) not in BLOCK_LEVEL:
             n += 1
         named = getattr(e, "block_hashes", None)
         if named:
