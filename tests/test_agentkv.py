@@ -173,7 +173,8 @@ def test_a_retired_shared_prefix_the_next_call_needs_is_not_published_as_retired
     coder calls the planner next: on both tiers, and whether the predictor is trusted or
     degraded (the learned graph ranks then), the prompt keeps its live score."""
     for degraded in (False, True):
-        engine, policy, clock = trained()
+        # the referee starts at "steps": the GPU and host rankings are then the same groups
+        engine, policy, clock = trained(host_ranking="steps")
         if degraded:
             policy.min_accuracy = 1.01
         assert set(SYS) <= policy.retired
@@ -187,6 +188,8 @@ def test_a_retired_shared_prefix_the_next_call_needs_is_not_published_as_retired
             assert min(scores[b] for b in SYS) > 0.0
             dead = policy.retired - set(SYS)
             assert dead and all(scores[b] < 0.0 for b in dead)
+        # the retired group was added to the published copy, not to the policy's live ranking
+        assert all(g.score >= 0.0 for g in policy._host_groups)
 
 
 def test_the_step_graph_is_learned_and_an_unknown_position_falls_back_to_recency() -> None:

@@ -170,12 +170,6 @@ class AgentKV(PBKV):
         EfficientAgent's rule as the write filter: what a connector that applies snapshots
         only (no per-request ``admit`` call) can enforce on its own."""
         snap = super().snapshot(state, now=now, version=version, ttl_s=ttl_s)
-        if self.degraded:  # PBKV published lifecycle only: rank the rest by the learned graph
-            groups = self.structural_groups(state)
-            retired = self.retired_group(groups)
-            snap = msgspec.structs.replace(
-                snap, scores=(*groups, retired) if retired is not None else tuple(groups)
-            )
         gpu_scores, _ = _disjoint(snap.scores)
         host_groups = self._resident_first(self._host_groups, state)
         retired = self.retired_group(host_groups)
@@ -277,7 +271,7 @@ class AgentKV(PBKV):
         )
         return groups
 
-    def structural_groups(self, state: EngineState) -> list[ScoredBlocks]:
+    def degraded_groups(self, state: EngineState) -> list[ScoredBlocks]:
         """KVFlow's ``1 / steps`` priority on the learned step graph (the referee judges it
         alone while the predictor is degraded)."""
         steps = self._values(state, lookahead=False)

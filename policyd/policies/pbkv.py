@@ -147,15 +147,13 @@ class PBKV(ScoredPolicy):
     def snapshot(
         self, state: EngineState, *, now: float, version: int, ttl_s: float
     ) -> PolicySnapshot:
-        groups: list[ScoredBlocks] = []
         self.degraded = (
             self.calls_seen < self.min_observations or self.accuracy() < self.min_accuracy
         )
-        if not self.degraded:
-            groups = self.score_groups(state)
+        groups = self.degraded_groups(state) if self.degraded else self.score_groups(state)
         retired = self.retired_group(groups)
-        if retired is not None:
-            groups.append(retired)
+        if retired is not None:  # a new list: a subclass may keep the one it returned
+            groups = [*groups, retired]
         retired_workflows = tuple(w.workflow_id for w in state.workflows.values() if w.done)
         return PolicySnapshot(
             version=version,
@@ -166,6 +164,12 @@ class PBKV(ScoredPolicy):
             default_score=0.0,
             retired_workflows=retired_workflows,
         )
+
+    def degraded_groups(self, state: EngineState) -> list[ScoredBlocks]:
+        """What the snapshot ranks by while the predictor is degraded: nothing here, so
+        only the lifecycle is published (the connector falls back to recency)."""
+        del state
+        return []
 
     def retired_group(self, live: Sequence[ScoredBlocks]) -> ScoredBlocks | None:
         """The retired blocks that no ``live`` group scores, at ``RETIRED_SCORE`` (None: none).
