@@ -207,6 +207,9 @@ class History:
             self._conn.execute(f"SET memory_limit = '{self.config.memory_limit}'")  # validated
         except duckdb.Error as exc:
             raise _open_error(self.config.db_path, exc) from exc
+        # pyarrow imports pandas at its first conversion (~0.6 s of CPU, holding the
+        # interpreter lock): here, not at the first write, when events are already arriving
+        pa.array([0])
         self._thread = threading.Thread(target=self._run, name="policyd-history", daemon=True)
         self._thread.start()
 
