@@ -226,6 +226,39 @@ def test_block_rows_are_sampled_by_hash_at_the_configured_rate(tmp_path: Path) -
     assert stored == {int(x) for x in np.array(hashes)[keep]}
 
 
+def test_sampled_block_rows_keep_the_event_order_and_label_each_event(tmp_path: Path) -> None:
+    """Block-level events and a prefix hit's blocks, interleaved with request events in one
+    batch, sampled at 1/4: the rows are each segment's kept hashes, segment after segment in
+    event order, with that segment's kind, tier and request."""
+    rate = 0.25
+    prompt = tuple(range(1000, 1600))
+    segments = [
+        ("stored", "gpu", "r0", tuple(range(0, 400))),
+        ("hit", "gpu", "r1", prompt[:200]),
+        ("hit", "host", "r1", prompt[200:500]),
+        ("removed", "gpu", None, tuple(range(0, 300))),
+        ("loaded", "host", "r1", prompt[500:]),
+    ]
+    events = (
+        BlocksStored(ts=0, tier="gpu", block_hashes=segments[0][3], request_id="r0"),
+        started("r1", prompt),
+        PrefixHit(ts=0, request_id="r1", gpu_blocks=200, host_blocks=300, recomputed_blocks=100),
+        BlocksRemoved(ts=0, tier="gpu", block_hashes=segments[3][3]),
+        BlocksLoaded(ts=0, block_hashes=segments[4][3], request_id="r1"),
+    )
+    h = History(config(tmp_path, block_sample_rate=rate), clock=FakeClock())
+    with h:
+        h.record_batch(EventBatch(source="s", seq=1, events=events), received_ts=NOW)
+        rows = h.query_live(
+            "SELECT kind, tier, request_id, block_hash, sample_rate FROM block_accesses ORDER BY id"
+        )
+    expected = []
+    for kind, tier, request, hashes in segments:
+        keep = block_keep_mask(np.array(hashes, dtype=np.uint64), rate)
+        expected += [(kind, tier, request, int(b), rate) for b in np.array(hashes)[keep]]
+    assert 0 < len(expected) < 1900 and rows == expected
+
+
 def test_a_full_queue_drops_and_counts_without_blocking(tmp_path: Path) -> None:
     # a monotonic clock that stands still: the adaptive rate never gets its second to halve
     h = History(config(tmp_path, queue_max_rows=100), clock=FakeClock(), monotonic=lambda: 0.0)

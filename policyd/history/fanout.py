@@ -14,6 +14,8 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
 from typing import Final
 
 import numpy as np
@@ -133,60 +135,65 @@ class FanOut:
 
     block_sample_rate: float = 1.0
     recent_prompts: OrderedDict[str, np.ndarray] = field(default_factory=OrderedDict)
+    _segments: list[_Segment] = field(default_factory=list)  # the batch's block rows, unsampled
 
     def add(self, pending: Pending, batch: EventBatch, received_ts: float) -> None:
-        """Fan a batch out. Runs of block-level events are sampled together (one hash
-        conversion and one mask per run, not per event: an event's numpy calls cost more than
-        its 16 hashes); rows keep the batch's event order."""
-        run: list[_Access] = []
+        """Fan a batch out. Its block rows - its block-level events' and its prefix hits' -
+        are sampled together, in event order, once its request-level events are handled: one
+        hash conversion per run of block-level events and one mask per batch (an event's numpy
+        calls cost more than its 16 hashes); below rate 1 only the segments that keep a row
+        are looked at again."""
+        segments = self._segments = []
         for event in batch.events:
-            access = _block_access(event)
-            if access is not None:
-                run.append(access)
+            kind = type(event)
+            if kind in _ACCESS_KINDS:
+                segments.append(event)
                 continue
-            if run:
-                self._block_run(pending, received_ts, run)
-                run = []
-            handler = _HANDLERS.get(type(event))
+            handler = _HANDLERS.get(kind)
             if handler is not None:
                 handler(self, pending, event, batch.source, received_ts)
+        if segments:
+            self._block_rows(pending, received_ts, segments)
+
+    def _block_rows(self, pending: Pending, ts: float, segments: list[_Segment]) -> None:
+        """The block rows of ``segments`` (block-level events and prefix hits' blocks per
+        tier), sampled at the rate."""
+        rate = self.block_sample_rate
+        parts: list[np.ndarray] = []
+        run: list[tuple[int, ...]] = []
+        lengths: list[int] = []
+        for seg in segments:
+            if isinstance(seg, tuple):  # a prefix hit's blocks, already uint64
+                if run:
+                    parts.append(hashes_u64(list(chain.from_iterable(run))))
+                    run = []
+                parts.append(seg[1])
+                lengths.append(len(seg[1]))
+            else:
+                named = seg.block_hashes  # type: ignore[union-attr]
+                run.append(named)
+                lengths.append(len(named))
         if run:
-            self._block_run(pending, received_ts, run)
-
-    def _block_run(self, pending: Pending, ts: float, run: list[_Access]) -> None:
-        hashes = hashes_u64([h for a in run for h in a[3]])
-        lengths = np.fromiter((len(a[3]) for a in run), dtype=np.int64, count=len(run))
-        if self.block_sample_rate >= 1.0:
-            kept, counts = hashes, lengths
-        else:
-            mask = block_keep_mask(hashes, self.block_sample_rate)
-            kept = hashes[mask]
-            ends = np.cumsum(lengths)
+            parts.append(hashes_u64(list(chain.from_iterable(run))))
+        hashes = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        counts = np.array(lengths, dtype=np.int64)
+        with_rows: list[int] | range = range(len(segments))
+        if rate < 1.0:
+            mask = block_keep_mask(hashes, rate)
+            hashes = hashes[mask]
+            ends = np.cumsum(counts)
             kept_before = np.concatenate(([0], np.cumsum(mask, dtype=np.int64)))
-            counts = kept_before[ends] - kept_before[ends - lengths]
-        if len(kept):
-            pending.blocks.append(
-                _BlockChunk(ts, [a[0] for a in run], [a[1] for a in run],
-                            [a[2] for a in run], counts, kept, self.block_sample_rate)
-            )  # fmt: skip
-            pending.rows += len(kept)
-
-    def _blocks(
-        self,
-        pending: Pending,
-        ts: float,
-        *,
-        kind: str,
-        tier: str | None,
-        hashes: np.ndarray,
-        request_id: str | None,
-    ) -> None:
-        kept = hashes[block_keep_mask(hashes, self.block_sample_rate)]
-        if len(kept):
-            counts = np.array([len(kept)], dtype=np.int64)
-            rate = self.block_sample_rate
-            pending.blocks.append(_BlockChunk(ts, [kind], [tier], [request_id], counts, kept, rate))
-            pending.rows += len(kept)
+            counts = kept_before[ends] - kept_before[ends - counts]
+            with_rows = np.flatnonzero(counts).tolist()
+            counts = counts[with_rows]
+        if not len(hashes):
+            return
+        labels = [_labels(segments[i]) for i in with_rows]
+        pending.blocks.append(
+            _BlockChunk(ts, [a[0] for a in labels], [a[1] for a in labels],
+                        [a[2] for a in labels], counts, hashes, rate)
+        )  # fmt: skip
+        pending.rows += len(hashes)
 
     def _started(self, pending: Pending, e: Event, source: str, ts: float) -> None:
         assert isinstance(e, RequestStarted)
@@ -216,25 +223,12 @@ class FanOut:
             },
         )
         prompt = self.recent_prompts.pop(e.request_id, None)
-        if prompt is not None:
+        if prompt is not None:  # its rows are sampled with the batch's block rows
             gpu_end = min(e.gpu_blocks, len(prompt))
             host_end = min(gpu_end + e.host_blocks, len(prompt))
-            self._blocks(
-                pending,
-                ts,
-                kind="hit",
-                tier="gpu",
-                hashes=prompt[:gpu_end],
-                request_id=e.request_id,
-            )
-            self._blocks(
-                pending,
-                ts,
-                kind="hit",
-                tier="host",
-                hashes=prompt[gpu_end:host_end],
-                request_id=e.request_id,
-            )
+            for tier, hashes in (("gpu", prompt[:gpu_end]), ("host", prompt[gpu_end:host_end])):
+                if len(hashes):
+                    self._segments.append((("hit", tier, e.request_id), hashes))
 
     def _finished(self, pending: Pending, e: Event, source: str, ts: float) -> None:
         assert isinstance(e, RequestFinished)
@@ -242,22 +236,28 @@ class FanOut:
         self.recent_prompts.pop(e.request_id, None)
 
 
-# (kind, tier, request_id, hashes) of a block-level event's rows
-_Access = tuple[str, str | None, str | None, tuple[int, ...]]
+_ACCESS_KINDS: Final = frozenset(BLOCK_LEVEL)
+_HASHES: Final = attrgetter("block_hashes")
 
 
-def _block_access(e: Event) -> _Access | None:
+_Labels = tuple[str, str | None, str | None]  # (kind, tier, request_id) of some block rows
+_Segment = Event | tuple[_Labels, np.ndarray]  # a block-level event, or a prefix hit's blocks
+
+
+def _labels(segment: _Segment) -> _Labels:
+    """(kind, tier, request_id) of a segment's rows."""
+    if isinstance(segment, tuple):
+        return segment[0]
+    e = segment
     kind = type(e)
     if kind is BlocksStored:
         assert isinstance(e, BlocksStored)
-        return ("stored", e.tier, e.request_id, e.block_hashes)
+        return ("stored", e.tier, e.request_id)
     if kind is BlocksRemoved:
         assert isinstance(e, BlocksRemoved)
-        return ("removed", e.tier, None, e.block_hashes)
-    if kind is BlocksLoaded:  # host -> GPU: the row names the tier that served the blocks
-        assert isinstance(e, BlocksLoaded)
-        return ("loaded", "host", e.request_id, e.block_hashes)
-    return None
+        return ("removed", e.tier, None)
+    assert isinstance(e, BlocksLoaded)  # host -> GPU: the row names the tier that served it
+    return ("loaded", "host", e.request_id)
 
 
 def requests_only(batch: EventBatch) -> EventBatch:
@@ -270,7 +270,7 @@ def requests_only(batch: EventBatch) -> EventBatch:
 
 
 _Handler = Callable[[FanOut, Pending, Event, str, float], None]
-# block-level events go through _block_access (sampled per run); AllBlocksCleared and
+# block-level events go through _block_rows (sampled per batch); AllBlocksCleared and
 # WorkflowFinished have no table: the daemon records what they cause
 _HANDLERS: Final[dict[type, _Handler]] = {
     RequestStarted: FanOut._started,
