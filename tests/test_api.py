@@ -240,3 +240,4 @@ def test_metrics_parse_and_match_stats(http: httpx.Client) -> None:
     history = http.get("/api/stats").json()["history"]
     rate = families["policyd_history_block_sample_rate"].samples[0].value
     assert rate == history["block_sample_rate"] == history["block_sample_rate_max"] == 1.0
+    assert families["policyd_history_deferrals"].samples[0].value == history["deferrals"]

@@ -290,6 +290,19 @@ def test_shedding_is_reported_in_stats_and_metrics(tmp_path: Path) -> None:
     assert f"policyd_events_shed_total {float(stats['events_shed'])}" in metrics
 
 
+def test_the_history_writer_is_told_to_step_aside_while_the_engine_is_behind(
+    tmp_path: Path,
+) -> None:
+    service = Service(settings_for(tmp_path, ingest_queue_frames=64, shed_above_frames=8))
+    defer = service.history.defer
+    assert defer is not None and not defer()
+    for seq in range(1, 6):  # five batches of one frame each: past half the shedding depth
+        service.queue.offer(EventBatch(source="s", seq=seq, events=(block(seq),)), 0.0)
+    assert service.queue.depth == 5 and defer()
+    service.queue.take(10**9, 0.0)
+    assert not defer()
+
+
 def test_an_endpoint_in_use_is_a_clear_error(daemon: RunningDaemon, tmp_path: Path) -> None:
     other = settings_for(tmp_path / "other", events=daemon.events_endpoint)
     (tmp_path / "other").mkdir()

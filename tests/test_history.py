@@ -259,6 +259,29 @@ def test_sampled_block_rows_keep_the_event_order_and_label_each_event(tmp_path: 
     assert 0 < len(expected) < 1900 and rows == expected
 
 
+def test_the_writer_steps_aside_before_each_batch_while_told_to_and_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    behind = threading.Event()
+    h = History(config(tmp_path), clock=FakeClock(), defer=behind.is_set)
+    batch = EventBatch(
+        source="s", seq=1, events=(BlocksStored(ts=0, tier="gpu", block_hashes=(1, 2, 3)),)
+    )
+    with h:
+        h.record_batch(batch, received_ts=NOW)
+        h.flush()
+        assert h.stats()["deferrals"] == 0
+        behind.set()
+        for _ in range(3):
+            h.record_batch(batch, received_ts=NOW)
+        h.record("decisions", [{"ts": NOW, "kind": "evict"}])  # not a batch: never deferred
+        h.flush()
+        stats = h.stats()
+        assert stats["deferrals"] == 3
+        assert h.query_live("SELECT count(*) FROM block_accesses") == [(12,)]
+        assert stats["rows_dropped"] == 0
+
+
 def test_a_full_queue_drops_and_counts_without_blocking(tmp_path: Path) -> None:
     # a monotonic clock that stands still: the adaptive rate never gets its second to halve
     h = History(config(tmp_path, queue_max_rows=100), clock=FakeClock(), monotonic=lambda: 0.0)

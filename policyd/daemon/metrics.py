@@ -110,6 +110,11 @@ class _StatsCollector(Collector):
             "Share of block rows the history keeps now (lowered while its writer is behind).",
             value=_num(history.get("block_sample_rate")),
         )
+        yield CounterMetricFamily(
+            "policyd_history_deferrals",
+            "Event batches the history writer stepped aside before, the Engine being behind.",
+            value=_num(history.get("deferrals")),
+        )
 
 
 class Metrics:

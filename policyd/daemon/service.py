@@ -208,6 +208,7 @@ class Service:
                 flush_interval_s=settings.history_flush_interval_s,
             ),
             clock=wall_clock,
+            defer=self._engine_behind,
         )
         self.queue = IngestQueue(settings.ingest_queue_frames, settings.shed_above_frames)
         self.metrics = Metrics(lambda: views.stats(self))
@@ -423,6 +424,13 @@ class Service:
             if not items:
                 return
             self._apply_items(items)
+
+    def _engine_behind(self) -> bool:
+        """Whether the Engine's backlog is past half the depth at which block events are shed:
+        the history writer then steps aside, so that the interpreter lock goes to applying
+        events first - a history that falls behind samples its block rows, an Engine that
+        falls behind sheds block events from the policy's view."""
+        return self.queue.depth > self.queue.shed_above // 2
 
     def _apply_items(self, items: Sequence[Any]) -> None:
         for item in items:
