@@ -512,6 +512,9 @@ def run_bench(
         "history_block_rate_end": after["history"].get("block_sample_rate"),
         "history_block_rate_changes": after["history"].get("block_sample_rate_changes"),
         "history_rows_rejected": after["history"]["rows_rejected"],
+        # event batches the writer stepped aside before, the Engine being behind
+        "history_deferrals": after["history"].get("deferrals", 0)
+        - before["history"].get("deferrals", 0),
         "history_last_error": after["history"]["last_error"],
         "snapshot_latency_p50_ms": (_pct(latencies, 0.5) or 0) * 1000,
         "snapshot_latency_p99_ms": (_pct(latencies, 0.99) or 0) * 1000,
@@ -569,7 +572,8 @@ def render(r: dict[str, Any]) -> str:
         f"{r['frames_dropped']:,} cut at the hard bound; seq gaps {r['seq_gaps']}",
         f"  history rows written {r['history_rows_per_s']:,.0f} rows/s (block rows sampled at "
         f"{_rates(r)}; dropped {r['history_rows_dropped']:,}, rejected "
-        f"{r['history_rows_rejected']:,}; last error {r['history_last_error']})",
+        f"{r['history_rows_rejected']:,}; writer stepped aside for the Engine "
+        f"{r.get('history_deferrals', 0):,} times; last error {r['history_last_error']})",
         f"  snapshot publish->receive p50 {r['snapshot_latency_p50_ms']:.2f} ms, p99 "
         f"{r['snapshot_latency_p99_ms']:.2f} ms ({r['snapshots_received']} snapshots)",
         f"  POST /api/decide/evict raw keep-alive p50 {d['raw_p50_ms']:.2f} ms, p99 "
