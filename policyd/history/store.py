@@ -213,6 +213,9 @@ class History:
             self._conn = duckdb.connect(str(self.config.db_path))
             self._conn.execute("SET enable_progress_bar = false")  # no bars in the daemon's log
             self._conn.execute(f"SET memory_limit = '{self.config.memory_limit}'")  # validated
+            # appends need no parallel scan: one thread (the writer's own, outside the
+            # interpreter lock) leaves the other cores to the Engine and the senders
+            self._conn.execute("SET threads = 1")
         except duckdb.Error as exc:
             raise _open_error(self.config.db_path, exc) from exc
         # pyarrow imports pandas at its first conversion (~0.6 s of CPU, holding the
