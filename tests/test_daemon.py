@@ -16,6 +16,7 @@ import zmq
 
 from policyd.daemon import checkpoint, views
 from policyd.daemon.ingest import IngestQueue, block_events, coalesce, keep_rate, shed
+from policyd.daemon.predictions import PredictionLog
 from policyd.daemon.server import RunningDaemon, start_daemon
 from policyd.daemon.service import Service
 from policyd.daemon.settings import DaemonSettings, validate_tunables
@@ -363,3 +364,23 @@ def test_stats_count_the_blocks_of_the_snapshots_own_host_order(
         assert scored == sum(len(g.block_hashes) for g in snap.host_scores) > 0
     else:  # scores order both tiers
         assert snap.host_scores is None and scored is None
+
+
+def test_the_prediction_log_keeps_to_its_budget_of_forecasts_per_second() -> None:
+    """Per workflow one forecast per MIN_FORECAST_INTERVAL_S; all workflows together at most
+    ``max_forecasts_per_s``, with one second's worth of burst - the rest is counted."""
+    log = PredictionLog(lambda: 0.0, max_forecasts_per_s=10.0)
+
+    def call(wid: str, now: float) -> bool:
+        wanted = log.wants_forecast(wid, now)
+        log.on_call(wid, "t", "a", None)
+        return wanted
+
+    first = [call(f"w{i}", 0.0) for i in range(25)]
+    assert sum(first) == 10 and first[:10] == [True] * 10
+    assert not call("w0", 0.1)  # its own interval, not the budget
+    later = [call(f"w{i}", 0.5) for i in range(10, 25)]
+    assert sum(later) == 5  # half a second refilled five
+    assert log.forecasts_skipped == 15 + 10
+    restored = pickle.loads(pickle.dumps(log))
+    assert restored.forecasts_skipped == log.forecasts_skipped

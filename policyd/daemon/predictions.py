@@ -22,6 +22,9 @@ from policyd.predictor import END, Forecast, Predictor
 
 MAX_WORKFLOWS: Final = 100_000
 MIN_FORECAST_INTERVAL_S: Final = 0.2  # per workflow: faster call bursts are logged sampled
+# all workflows together (a token bucket, one second's worth of burst): past it calls are logged
+# sampled - each logged forecast is a K-step roll-out (~0.1-0.2 ms of the Engine's thread)
+MAX_FORECASTS_PER_S: Final = 100.0
 TOP_AGENTS: Final = 5
 
 
@@ -47,8 +50,17 @@ class _Workflow:
 class PredictionLog:
     """Pending and resolved predictions; ``take_rows()`` hands resolved rows to the history."""
 
-    def __init__(self, wall_clock: Callable[[], float], recent_max: int = 500) -> None:
+    def __init__(
+        self,
+        wall_clock: Callable[[], float],
+        recent_max: int = 500,
+        max_forecasts_per_s: float = MAX_FORECASTS_PER_S,
+    ) -> None:
         self.wall_clock = wall_clock
+        self.max_forecasts_per_s = max_forecasts_per_s
+        self._tokens = max_forecasts_per_s
+        self._tokens_s: float | None = None  # when the bucket was last filled
+        self.forecasts_skipped = 0  # calls not logged for the budget
         self._workflows: OrderedDict[str, _Workflow] = OrderedDict()
         self._rows: list[dict[str, object]] = []
         self._first_logged: dict[str, float] = {}
@@ -68,18 +80,38 @@ class PredictionLog:
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
         self.wall_clock = time.time
+        # a checkpoint from before the budget existed
+        self.__dict__.setdefault("max_forecasts_per_s", MAX_FORECASTS_PER_S)
+        self.__dict__.setdefault("_tokens", self.max_forecasts_per_s)
+        self.__dict__.setdefault("_tokens_s", None)
+        self.__dict__.setdefault("forecasts_skipped", 0)
 
     def wants_forecast(self, workflow_id: str, now_s: float) -> bool:
         """Whether to log a forecast after this call: always, unless the workflow's calls come
-        faster than ``MIN_FORECAST_INTERVAL_S`` (a replay flood; agent steps take seconds) -
-        each logged forecast costs a K-step roll-out of the predictor."""
+        faster than ``MIN_FORECAST_INTERVAL_S`` (a replay flood; agent steps take seconds) or
+        all workflows' together faster than ``max_forecasts_per_s`` - each logged forecast
+        costs a K-step roll-out of the predictor. Both samples are by time, not by outcome, so
+        the logged accuracy stays an unbiased estimate."""
         wf = self._workflows.get(workflow_id)
         if wf is not None and now_s - wf.logged_s < MIN_FORECAST_INTERVAL_S:
+            return False
+        if not self._take_token(now_s):
+            self.forecasts_skipped += 1
             return False
         if wf is not None:
             wf.logged_s = now_s
         else:
             self._first_logged[workflow_id] = now_s
+        return True
+
+    def _take_token(self, now_s: float) -> bool:
+        rate, last = self.max_forecasts_per_s, self._tokens_s
+        self._tokens_s = now_s
+        if last is not None:
+            self._tokens = min(rate, self._tokens + max(0.0, now_s - last) * rate)
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
         return True
 
     def on_call(

@@ -110,6 +110,8 @@ def stats(service: Service) -> dict[str, Any]:
         "decisions": sum(service.decision_counts.values()),
         "decisions_by_kind": dict(service.decision_counts),
         "prediction_accuracy": accuracy,
+        # calls whose forecast the prediction log did not record: over its budget per second
+        "predictions_not_logged": service.predictions.forecasts_skipped,
         "recommended_host_gib": service.sizing_view.get("recommended_host_gib"),
         "kv_events": dict(service.kv_events.counters) if service.kv_events else None,
         "snapshot": {
