@@ -279,19 +279,35 @@ _HANDLERS: Final[dict[type, _Handler]] = {
 }
 
 
-def rows_estimate(batch: EventBatch, rate: float = 1.0) -> int:
-    """The rows a batch becomes with block rows sampled at ``rate``: a request row per
-    request-level event at most, and ``rate`` of the hashes the events name (the hash-chosen
-    sample's expected size, rounded up; a prompt's hashes stand for its prefix hit's rows). At
-    1.0 (every hash) it is also what the batch holds until it is fanned out: the queue's bound
-    counts that."""
-    n = hashes = 0
+@dataclass(frozen=True, slots=True)
+class RowsEstimate:
+    """What a batch holds, counted in one pass: ``requests`` request-level events (a row each
+    at most), ``prompt_hashes`` the hashes they name (a prompt's hashes stand for its prefix
+    hit's rows) and ``block_hashes`` those its block-level events name."""
+
+    requests: int
+    prompt_hashes: int
+    block_hashes: int
+
+    def rows(self, rate: float = 1.0, *, requests_only: bool = False) -> int:
+        """Rows with block rows sampled at ``rate`` (the hash-chosen sample's expected size,
+        rounded up); at 1.0 (every hash) also what the batch holds until it is fanned out: the
+        queue's bound counts that. ``requests_only``: of the batch cut to its request-level
+        events."""
+        hashes = self.prompt_hashes + (0 if requests_only else self.block_hashes)
+        if rate <= 0.0:
+            return self.requests
+        return self.requests + (hashes if rate >= 1.0 else math.ceil(hashes * rate))
+
+
+def rows_estimate(batch: EventBatch) -> RowsEstimate:
+    """``RowsEstimate`` of a batch."""
+    requests = prompt = blocks = 0
     for e in batch.events:
-        if type(e) not in BLOCK_LEVEL:
-            n += 1
         named = getattr(e, "block_hashes", None)
-        if named:
-            hashes += len(named)
-    if rate <= 0.0:
-        return n
-    return n + (hashes if rate >= 1.0 else math.ceil(hashes * rate))
+        if type(e) in _ACCESS_KINDS:
+            blocks += len(named) if named else 0
+        else:
+            requests += 1
+            prompt += len(named) if named else 0
+    return RowsEstimate(requests, prompt, blocks)

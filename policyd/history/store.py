@@ -26,7 +26,7 @@ from typing import Any, Final, TypeVar
 import duckdb
 import pyarrow as pa  # type: ignore[import-untyped]
 
-from policyd.history.fanout import FanOut, Pending, requests_only, rows_estimate
+from policyd.history.fanout import FanOut, Pending, RowsEstimate, requests_only, rows_estimate
 from policyd.history.files import default_snapshot_path
 from policyd.history.revisions import HistoryError, _open_error, migrate
 from policyd.history.sampling import AdaptiveRate
@@ -294,15 +294,19 @@ class History:
             rate = self._rate.update(
                 self._queued_rows / self.config.queue_max_rows, self.monotonic()
             )
-            held = rows_estimate(batch)
+            estimate = rows_estimate(batch)  # one pass: what follows is arithmetic
+            held = estimate.rows()
             room = self.config.queue_max_rows - self._queued_rows
             if held > room and not self._closed:
-                cut = requests_only(batch)
-                if cut.events and rows_estimate(cut) <= room:
-                    self._rows_dropped += rows_estimate(batch, rate) - rows_estimate(cut, rate)
-                    batch, held = cut, rows_estimate(cut)
+                cut_held = estimate.rows(requests_only=True)
+                if estimate.requests and cut_held <= room:
+                    self._rows_dropped += estimate.rows(rate) - estimate.rows(
+                        rate, requests_only=True
+                    )
+                    batch, held = requests_only(batch), cut_held
+                    estimate = RowsEstimate(estimate.requests, estimate.prompt_hashes, 0)
             if held > room or self._closed:
-                self._rows_dropped += rows_estimate(batch, rate)
+                self._rows_dropped += estimate.rows(rate)
                 return
             self._queued_rows += held
         self._queue.put(_Batch(batch, received_ts, held, rate))
