@@ -15,7 +15,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from operator import attrgetter
 from typing import Final
 
 import numpy as np
@@ -237,7 +236,6 @@ class FanOut:
 
 
 _ACCESS_KINDS: Final = frozenset(BLOCK_LEVEL)
-_HASHES: Final = attrgetter("block_hashes")
 
 
 _Labels = tuple[str, str | None, str | None]  # (kind, tier, request_id) of some block rows

@@ -26,7 +26,7 @@ from typing import Any, Final, TypeVar
 import duckdb
 import pyarrow as pa  # type: ignore[import-untyped]
 
-from policyd.history.fanout import FanOut, Pending, RowsEstimate, requests_only, rows_estimate
+from policyd.history.fanout import FanOut, Pending, requests_only, rows_estimate
 from policyd.history.files import default_snapshot_path
 from policyd.history.revisions import HistoryError, _open_error, migrate
 from policyd.history.sampling import AdaptiveRate
@@ -299,13 +299,12 @@ class History:
             room = self.config.queue_max_rows - self._queued_rows
             if held > room and not self._closed:
                 cut_held = estimate.rows(requests_only=True)
-                if estimate.requests and cut_held <= room:
+                if estimate.requests and cut_held <= room:  # cut to its request-level events
                     self._rows_dropped += estimate.rows(rate) - estimate.rows(
                         rate, requests_only=True
                     )
                     batch, held = requests_only(batch), cut_held
-                    estimate = RowsEstimate(estimate.requests, estimate.prompt_hashes, 0)
-            if held > room or self._closed:
+            if held > room or self._closed:  # (never a cut batch: it fits)
                 self._rows_dropped += estimate.rows(rate)
                 return
             self._queued_rows += held
