@@ -145,7 +145,7 @@ class FanOut:
         segments = self._segments = []
         for event in batch.events:
             kind = type(event)
-            if kind in _ACCESS_KINDS:
+            if kind in BLOCK_LEVEL:
                 segments.append(event)
                 continue
             handler = _HANDLERS.get(kind)
@@ -235,9 +235,6 @@ class FanOut:
         self.recent_prompts.pop(e.request_id, None)
 
 
-_ACCESS_KINDS: Final = frozenset(BLOCK_LEVEL)
-
-
 _Labels = tuple[str, str | None, str | None]  # (kind, tier, request_id) of some block rows
 _Segment = Event | tuple[_Labels, np.ndarray]  # a block-level event, or a prefix hit's blocks
 
@@ -303,7 +300,7 @@ def rows_estimate(batch: EventBatch) -> RowsEstimate:
     requests = prompt = blocks = 0
     for e in batch.events:
         named = getattr(e, "block_hashes", None)
-        if type(e) in _ACCESS_KINDS:
+        if type(e) in BLOCK_LEVEL:
             blocks += len(named) if named else 0
         else:
             requests += 1
