@@ -8,7 +8,7 @@
   processes on one Linux host) -> receive by a SUB socket here;
 * HTTP decision latency of ``POST /api/decide/evict``: with a raw keep-alive ``http.client``
   connection and with ``httpx`` (which adds ~1 ms per call, DESIGN.md §4);
-* the daemon's RSS before and after (``/proc/<pid>/status``).
+* the daemon's RSS before and after, its history process's included (``/proc/<pid>/status``).
 
 Figures are printed with their ratio to the targets and the command that reproduces them.
 """
@@ -254,6 +254,19 @@ def _sender(endpoint: str, sender: int, spec: SenderSpec, out: Any) -> None:
 
 
 def _rss_bytes(pid: int) -> int | None:
+    """The RSS of the daemon and of its child processes (its history writer's): the memory it
+    takes, wherever it runs."""
+    own = _own_rss_bytes(pid)
+    if own is None:
+        return None
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    return own + sum(_own_rss_bytes(int(child)) or 0 for child in children)
+
+
+def _own_rss_bytes(pid: int) -> int | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
@@ -580,7 +593,8 @@ def render(r: dict[str, Any]) -> str:
         f"{d['raw_p99_ms']:.2f} ms ({d['raw_requests']}); httpx p50 {d['httpx_p50_ms']:.2f} ms, "
         f"p99 {d['httpx_p99_ms']:.2f} ms ({d['httpx_requests']}); queue depth at the start "
         f"{d['queue_depth_at_start']}",
-        f"  daemon RSS {r['rss_before_mib']:.0f} MiB before, {r['rss_after_mib']:.0f} MiB after "
+        f"  daemon RSS (with its history process) {r['rss_before_mib']:.0f} MiB before, "
+        f"{r['rss_after_mib']:.0f} MiB after "
         f"({len(r['rss_series'])} samples, max {max(p['rss_mib'] for p in r['rss_series']):.0f}"
         " MiB)",
         f"  daemon state, last / max sample: {_state_line(r['rss_series'])}",

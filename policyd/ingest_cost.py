@@ -7,6 +7,9 @@ core: decode (``BATCH_CODEC``), the queue's offer (counting, coalescing; no shed
 drained after every frame), the Engine with the service's hooks (policy, predictor, SHARDS,
 prediction log), and the history writer's fan-out and DuckDB append. CPU time
 (``time.process_time``, which includes DuckDB's own threads), with the daemon's GC settings.
+With the history in its own process (``history_writer``, the default) the daemon's part is the
+hand-over of each frame; the fan-out and the append are the history process's, on its own
+interpreter lock.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from policyd.daemon.ingest import Received
 from policyd.daemon.service import Service, _tune_gc
 from policyd.daemon.settings import DaemonSettings
 from policyd.history import History, HistoryConfig
+from policyd.history.process import HistoryProcess
 from policyd.ingest_bench import FrameSource, StreamShape
 from policyd.types import BATCH_CODEC
 
@@ -62,11 +66,21 @@ def stage_costs(
         service = Service(settings)
         queue = service.queue
         batches = timed("decode", lambda: [BATCH_CODEC.decode(f) for f in raw])
+        writer = service.history
+        if isinstance(writer, HistoryProcess):  # the receiver hands frames over as received
+            writer.start()
+
+            def hand_over() -> None:
+                for frame in raw:
+                    writer.record_frame(frame, 0.0)
+
+            timed("hand-over to the history process", hand_over)
+        recorded = isinstance(writer, HistoryProcess)
 
         def offer_all() -> list[Received]:
             out: list[Received] = []
             for batch in batches:
-                queue.offer(batch, 0.0)
+                queue.offer(batch, 0.0, recorded=recorded)
                 out += queue.take(10**9, 0.0)
             return out
 

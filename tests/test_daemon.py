@@ -21,6 +21,7 @@ from policyd.daemon.server import RunningDaemon, start_daemon
 from policyd.daemon.service import Service
 from policyd.daemon.settings import DaemonSettings, validate_tunables
 from policyd.engine import Engine
+from policyd.history import History
 from policyd.policies import make_policy
 from policyd.predictor import Predictor
 from policyd.types import (
@@ -294,7 +295,10 @@ def test_shedding_is_reported_in_stats_and_metrics(tmp_path: Path) -> None:
 def test_the_history_writer_is_told_to_step_aside_while_the_engine_is_behind(
     tmp_path: Path,
 ) -> None:
-    service = Service(settings_for(tmp_path, ingest_queue_frames=64, shed_above_frames=8))
+    service = Service(
+        settings_for(tmp_path, ingest_queue_frames=64, shed_above_frames=8, history_writer="thread")
+    )
+    assert isinstance(service.history, History)  # (in the daemon's process, sharing its lock)
     defer = service.history.defer
     assert defer is not None and not defer()
     for seq in range(1, 6):  # five batches of one frame each: past half the shedding depth

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import doctest
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,6 +53,7 @@ class FakeClock:
 
 def config(tmp_path: Path, **kw: object) -> HistoryConfig:
     kw.setdefault("snapshot_interval_s", None)
+    kw.setdefault("cpu_budget", None)  # exact contents: no sampling for the budget's sake
     return HistoryConfig(db_path=tmp_path / "h.duckdb", **kw)  # type: ignore[arg-type]
 
 
@@ -384,6 +386,46 @@ def test_the_rate_is_not_halved_again_while_the_queue_drains() -> None:
     assert rate.rate == 1.0 and rate.changes == 2
     fixed = AdaptiveRate(ceiling=0.5, floor=2.0**-10, now=0.0, adaptive=False)
     assert {fixed.update(1.0, float(t)) for t in range(10)} == {0.5}
+
+
+def test_a_full_queue_that_drops_or_a_writer_over_its_cpu_budget_halves_the_rate() -> None:
+    """A queue at its bound does not grow, but drops: that halves the rate as growth does. A
+    writer over its CPU budget halves it whatever its queue, and the rate is doubled back only
+    under half the budget."""
+    rate = AdaptiveRate(ceiling=1.0, floor=2.0**-10, now=0.0)
+    assert rate.update(1.0, 1.0) == 0.5  # growing from nothing
+    assert rate.update(1.0, 2.0) == 0.5  # full, not growing, nothing dropped: held
+    assert rate.update(1.0, 3.0, dropped=10) == 0.25  # full and dropping
+    assert rate.update(1.0, 4.0, dropped=10) == 0.25  # no new drops: held
+    busy = AdaptiveRate(ceiling=1.0, floor=2.0**-10, now=0.0)
+    assert [busy.update(0.0, t, busy=True, idle=False) for t in (1.0, 1.5, 2.0)] == [
+        0.5,
+        0.5,  # (checks at least a second apart)
+        0.25,
+    ]
+    # an empty queue with the writer between half its budget and the budget: held
+    assert {busy.update(0.0, float(t), idle=False) for t in range(3, 30)} == {0.25}
+    assert busy.update(0.0, 30.0) == 0.25  # under half of it from now ...
+    assert busy.update(0.0, 40.0) == 0.5  # ... for UP_AFTER_S
+
+
+def test_the_writer_reports_its_cpu_share_and_samples_less_over_its_budget(
+    tmp_path: Path,
+) -> None:
+    """With a budget no writer can keep, the rate falls as soon as the share is measured."""
+    with History(config(tmp_path, cpu_budget=1e-9, flush_interval_s=0.05)) as h:
+        deadline = time.monotonic() + 30.0
+        seq = 0
+        while h.block_sample_rate == 1.0 and time.monotonic() < deadline:
+            seq += 1
+            h.record_batch(_stored(seq, range(seq * 64, seq * 64 + 64)), received_ts=NOW)
+            time.sleep(0.05)
+        stats = h.stats()
+    assert stats["block_sample_rate"] == 0.5 and stats["cpu_budget"] == 1e-9
+    assert isinstance(stats["cpu_share"], float) and stats["cpu_share"] > 1e-9
+    assert HistoryConfig(db_path=tmp_path / "x.duckdb").cpu_budget == 0.25  # the default
+    with pytest.raises(ValueError, match="cpu_budget"):
+        HistoryConfig(db_path=tmp_path / "x.duckdb", cpu_budget=0.0)
 
 
 def test_without_adaptive_sampling_the_rate_is_the_setting_and_a_full_queue_drops(

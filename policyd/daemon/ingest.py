@@ -196,6 +196,7 @@ class Received:
     events: int  # events it stands for (after shedding, before coalescing)
     block_events: int  # block events it stands for (after shedding)
     weight: int = 1  # in the queue's bounds (see ``weight``)
+    recorded: bool = False  # its frame went to the history as received (``Receiver.forward``)
 
 
 def weight(events: int, blocks: int) -> int:
@@ -224,12 +225,13 @@ class IngestQueue:
     def __len__(self) -> int:
         return len(self._items)
 
-    def offer(self, batch: EventBatch, received_ts: float) -> None:
+    def offer(self, batch: EventBatch, received_ts: float, *, recorded: bool = False) -> None:
         """Queue a decoded batch, shedding block-level events under load (never blocks).
         Past ``HARD_BOUND_FACTOR x max_frames`` of depth - block events are all shed long
         before, so request-level events alone outrun the Engine - the frame keeps only its
         closing events (whole past ``LAST_RESORT_FACTOR x``); what goes is counted, and a frame
-        dropped whole leaves a sequence gap the Engine counts."""
+        dropped whole leaves a sequence gap the Engine counts. ``recorded``: the history has
+        the batch already (its frame was forwarded as received)."""
         c = self.counters
         c.events_received += len(batch.events)
         blocks = block_events(batch)
@@ -255,7 +257,7 @@ class IngestQueue:
             blocks -= cut.block_events
         n = len(batch.events)
         batch = coalesce(batch)
-        item = Received(batch, received_ts, n, blocks, weight(n, blocks))
+        item = Received(batch, received_ts, n, blocks, weight(n, blocks), recorded)
         # a batch shed to nothing is still queued: the Engine must see its seq (no false gap)
         with self._cond:
             self._items.append(item)
@@ -281,7 +283,11 @@ class IngestQueue:
 
 
 class Receiver:
-    """Owns the PULL socket; decodes frames into ``queue`` on its own thread."""
+    """Owns the PULL socket; decodes frames into ``queue`` on its own thread.
+
+    ``forward``, when given, is handed every valid frame as received with its arrival time (the
+    history in a process of its own: ``HistoryProcess.record_frame``); it returns False for a
+    frame it could not take, and ``forward_dropped`` is then told the frame's batch."""
 
     def __init__(
         self,
@@ -290,8 +296,12 @@ class Receiver:
         *,
         max_frame_bytes: int,
         wall_clock: Callable[[], float] = time.time,
+        forward: Callable[[zmq.Frame, float], bool] | None = None,
+        forward_dropped: Callable[[EventBatch], None] | None = None,
     ) -> None:
         self.queue = queue
+        self.forward = forward
+        self.forward_dropped = forward_dropped
         self.codec = Codec(EventBatch, max_frame_bytes=max_frame_bytes)
         self.wall_clock = wall_clock
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -325,6 +335,8 @@ class Receiver:
 
     def _run(self) -> None:
         sock, queue, codec, counters = self._sock, self.queue, self.codec, self.queue.counters
+        forward, dropped = self.forward, self.forward_dropped
+        recorded = forward is not None
         try:
             while not self._stop.is_set():
                 if not sock.poll(100):
@@ -343,7 +355,9 @@ class Receiver:
                         counters.last_malformed = str(exc)[:200]
                         self._log_malformed(exc)
                         continue
-                    queue.offer(batch, now)
+                    if forward is not None and not forward(frame, now) and dropped is not None:
+                        dropped(batch)
+                    queue.offer(batch, now, recorded=recorded)
         finally:
             self._sock.close()
 

@@ -45,6 +45,7 @@ from policyd.daemon.sizing import (
 )
 from policyd.engine import Engine
 from policyd.history import History, HistoryConfig
+from policyd.history.process import HistoryProcess
 from policyd.mrc import GiB
 from policyd.policies import POLICIES, Policy, make_policy
 from policyd.predictor import Predictor
@@ -200,16 +201,17 @@ class Service:
         self.snapshots_published = 0
         self.heap_trims = 0  # malloc_trim calls that released memory
         self._pin_stage: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
-        self.history = History(
-            HistoryConfig(
-                db_path=settings.db,
-                block_sample_rate=self.float_setting("block_sample_rate"),
-                retention_s=settings.history_retention_s,
-                flush_interval_s=settings.history_flush_interval_s,
-            ),
-            clock=wall_clock,
-            defer=self._engine_behind,
+        history_config = HistoryConfig(
+            db_path=settings.db,
+            block_sample_rate=self.float_setting("block_sample_rate"),
+            retention_s=settings.history_retention_s,
+            flush_interval_s=settings.history_flush_interval_s,
         )
+        self.history: History | HistoryProcess
+        if settings.history_writer == "process":
+            self.history = HistoryProcess(history_config)
+        else:
+            self.history = History(history_config, clock=wall_clock, defer=self._engine_behind)
         self.queue = IngestQueue(settings.ingest_queue_frames, settings.shed_above_frames)
         self.metrics = Metrics(lambda: views.stats(self))
         self.receiver: Receiver | None = None
@@ -229,11 +231,17 @@ class Service:
         _tune_gc()
         self.history.start()
         try:
+            history = self.history
             self.receiver = Receiver(
                 self.settings.events,
                 self.queue,
                 max_frame_bytes=self.settings.max_frame_bytes,
                 wall_clock=self.wall_clock,
+                # a history in its own process takes the frames as received
+                forward=history.record_frame if isinstance(history, HistoryProcess) else None,
+                forward_dropped=(
+                    history.dropped_frame if isinstance(history, HistoryProcess) else None
+                ),
             )
         except zmq.ZMQError as exc:
             self.history.close()
@@ -440,7 +448,7 @@ class Service:
                 self.counts["block_events"] += item.block_events
             if self.lock.contended:  # a decision or a snapshot waits: let it in first
                 time.sleep(YIELD_S)
-            if item.batch.events:
+            if item.batch.events and not item.recorded:
                 self.history.record_batch(item.batch, received_ts=item.received_ts)
 
     def _observe(self, event: Event) -> None:

@@ -26,6 +26,7 @@ from policyd.wire import (
 )
 
 ENV_PREFIX: Final = "POLICYD_"
+HISTORY_WRITERS: Final = ("process", "thread")
 
 
 def _help(text: str, **extra: Any) -> Any:
@@ -143,6 +144,14 @@ class DaemonSettings:
     history_retention_s: float | None = field(
         default=None, metadata={"help": "Drop history rows older than this (None: keep)."}
     )
+    history_writer: str = field(
+        default="process",
+        metadata={
+            "help": "Where the history writer runs: 'process' (a child process with its own "
+            "interpreter lock, so that turning events into rows and DuckDB's statements do "
+            "not slow the Engine) or 'thread' (in the daemon's process)."
+        },
+    )
 
     @classmethod
     def load(cls, overrides: Mapping[str, object] | None = None) -> DaemonSettings:
@@ -173,6 +182,11 @@ class DaemonSettings:
             raise ValueError("heap_trim_interval_s must be >= 0 (0 turns it off)")
         if self.shed_above_frames >= self.ingest_queue_frames:
             raise ValueError("shed_above_frames must be below ingest_queue_frames")
+        if self.history_writer not in HISTORY_WRITERS:
+            raise ValueError(
+                f"unknown history_writer {self.history_writer!r}; valid: "
+                f"{', '.join(HISTORY_WRITERS)}"
+            )
 
     @property
     def checkpoint_path(self) -> Path:

@@ -5,11 +5,15 @@ while the writer falls behind and doubled back once it has caught up
 The signal is the writer's queue, as a share of its bound (``fill``): the queue grows when rows
 come faster than DuckDB appends them. A halving shows only once the backlog queued before it is
 written, so the rate is halved again only while the queue is still growing (its fill above what
-it was a check earlier, checks at least ``DOWN_AFTER_S`` apart) - a queue that drains at the new
-rate is left to drain. It is doubled after the queue stayed below ``UP_FILL`` for ``UP_AFTER_S``
-(and as long since the last change), so that a writer that just caught up does not fall straight
-behind again. Rates are the setting times a power of two, and the sample is a hash threshold
-(``fanout.block_keep_mask``): a lower rate keeps a subset of the blocks a higher one keeps.
+it was a check earlier, checks at least ``DOWN_AFTER_S`` apart) or rows were dropped at its
+bound since that check (a full queue does not grow) - a queue that drains at the new rate is
+left to drain. A writer over its CPU budget (``busy``: ``HistoryConfig.cpu_budget``) is treated
+as behind whatever its queue: on a busy machine the history takes less, not the Engine. The
+rate is doubled after the queue stayed below ``UP_FILL`` for ``UP_AFTER_S`` (and as long since
+the last change) with the writer under half its budget, so that a writer that just caught up
+does not fall straight behind again. Rates are the setting times a power of two, and the
+sample is a hash threshold (``fanout.block_keep_mask``): a lower rate keeps a subset of the
+blocks a higher one keeps.
 
 >>> rate = AdaptiveRate(ceiling=1.0, floor=2.0**-10, now=0.0)
 >>> [rate.update(fill, now) for fill, now in [(0.6, 1.0), (0.7, 1.5), (0.8, 2.0), (0.7, 3.0)]]
@@ -47,6 +51,7 @@ class AdaptiveRate:
     def __post_init__(self) -> None:
         self._changed_s = self.now
         self._checked = (self.now, 0.0)  # (time, fill) of the last check for halving
+        self._dropped = 0  # rows dropped at the bound as of that check
         self._low_since_s: float | None = None
 
     @property
@@ -58,11 +63,15 @@ class AdaptiveRate:
         self.ceiling = rate
         self.halvings = 0
 
-    def update(self, fill: float, now: float) -> float:
-        """The rate for the next batch, given the queue's ``fill`` (queued rows / bound) now."""
+    def update(
+        self, fill: float, now: float, *, dropped: int = 0, busy: bool = False, idle: bool = True
+    ) -> float:
+        """The rate for the next batch, given the queue's ``fill`` (queued rows / bound) now,
+        the rows ``dropped`` at its bound so far (a running count), whether the writer is over
+        its CPU budget (``busy``) and under half of it (``idle``)."""
         if not self.adaptive:
             return self.ceiling
-        if fill < UP_FILL:
+        if fill < UP_FILL and idle and not busy:
             if self._low_since_s is None:
                 self._low_since_s = now
         else:
@@ -70,12 +79,16 @@ class AdaptiveRate:
         checked_s, checked_fill = self._checked
         if now - checked_s >= DOWN_AFTER_S:
             self._checked = (now, fill)
-            if fill >= DOWN_FILL and fill > checked_fill and self.rate / 2.0 >= self.floor:
+            dropping, self._dropped = dropped > self._dropped, dropped
+            behind = fill >= DOWN_FILL and (fill > checked_fill or dropping)
+            if (behind or busy) and self.rate / 2.0 >= self.floor:
                 self._change(+1, now)
                 log.warning(
-                    "history: the writer is behind (its queue at %.0f%% of the bound and "
-                    "growing); block rows now sampled at %.4g",
-                    100.0 * fill,
+                    "history: the writer is %s; block rows now sampled at %.4g",
+                    f"behind (its queue at {100.0 * fill:.0f}% of the bound and "
+                    f"{'dropping' if dropping else 'growing'})"
+                    if behind
+                    else "over its CPU budget",
                     self.rate,
                 )
                 return self.rate

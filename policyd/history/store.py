@@ -41,6 +41,7 @@ T = TypeVar("T")
 # how long the writer steps aside (releasing the interpreter lock) before fanning out an event
 # batch while ``History.defer`` says that more urgent work waits: a fan-out takes ~0.5 ms
 DEFER_S: Final = 0.002
+CPU_WINDOW_S: Final = 1.0  # the writer's CPU share (cpu_budget) is measured over this
 # a write happens when this many rows are pending, even before flush_interval_s
 WRITE_ROWS: Final = 200_000
 _REQUEST_UPDATE_COLUMNS: Final = (
@@ -88,6 +89,11 @@ class HistoryConfig:
     """How often the writer publishes a snapshot by itself; None = only on request and close."""
     snapshot_storage_version: str | None = "v1.0.0"
     """DuckDB storage version of snapshots, so older DuckDB clients read them; None = this one."""
+    cpu_budget: float | None = 0.25
+    """Share of one core the writer thread may use (fanning events out, DuckDB's appends)
+    before it halves the block rows' sample rate, as if it were behind (``adaptive_sampling``;
+    doubled back only under half of it); None: no budget. It keeps a busy history from taking
+    the machine from the daemon's Engine."""
     memory_limit: str = "512MB"
     """DuckDB's buffer-pool cap for the writer connection (its default is 80% of the machine's
     memory, which lets a long-running daemon's RSS grow with the file)."""
@@ -107,6 +113,8 @@ class HistoryConfig:
             raise ValueError("flush_interval_s and retention_interval_s must be positive")
         if self.queue_max_rows < 1:
             raise ValueError(f"queue_max_rows must be >= 1, got {self.queue_max_rows}")
+        if self.cpu_budget is not None and self.cpu_budget <= 0.0:
+            raise ValueError(f"cpu_budget must be positive or None, got {self.cpu_budget}")
         if not _MEMORY_LIMIT.fullmatch(self.memory_limit):
             raise ValueError(
                 f"memory_limit must look like '512MB' or '2GiB', got {self.memory_limit!r}"
@@ -202,6 +210,7 @@ class History:
         )
         self._pending = Pending()
         self._pending_estimate = 0
+        self._cpu_share = 0.0  # the writer thread's CPU, in cores, over the last CPU_WINDOW_S
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -292,8 +301,13 @@ class History:
         A batch past the bound is cut to its request-level events, whose rows still go in while
         they fit; the rows its block events would have made are dropped and counted."""
         with self._lock:
+            budget, share = self.config.cpu_budget, self._cpu_share
             rate = self._rate.update(
-                self._queued_rows / self.config.queue_max_rows, self.monotonic()
+                self._queued_rows / self.config.queue_max_rows,
+                self.monotonic(),
+                dropped=self._rows_dropped,
+                busy=budget is not None and share > budget,
+                idle=budget is None or share < budget / 2.0,
             )
             estimate = rows_estimate(batch)  # one pass: what follows is arithmetic
             held = estimate.rows()
@@ -365,6 +379,8 @@ class History:
             "queue_rows": queued,
             "flushes": self._flushes,
             "deferrals": self._deferrals,
+            "cpu_share": self._cpu_share,
+            "cpu_budget": self.config.cpu_budget,
             "last_flush_ts": self._last_flush_ts,
             "last_snapshot_ts": self._last_snapshot_ts,
             "last_retention_ts": self._last_retention_ts,
@@ -384,6 +400,7 @@ class History:
         next_retention = now + self.config.retention_interval_s
         interval = self.config.snapshot_interval_s
         next_snapshot = now + interval if interval else float("inf")
+        cpu_at, cpu_s = now, time.thread_time()
         while True:
             timeout = max(0.0, next_write - time.monotonic())
             try:
@@ -399,6 +416,10 @@ class History:
             elif item is not None:
                 self._take(item)
             now = time.monotonic()
+            if now - cpu_at >= CPU_WINDOW_S:
+                cpu_now = time.thread_time()
+                self._cpu_share = (cpu_now - cpu_s) / (now - cpu_at)
+                cpu_at, cpu_s = now, cpu_now
             if now >= next_write or self._pending.rows >= WRITE_ROWS:
                 self._guard(self._write_pending)
                 next_write = now + self.config.flush_interval_s
