@@ -130,6 +130,40 @@ def test_overloaded_queue_sheds_counts_and_keeps_every_batch() -> None:
     assert all(not any(isinstance(e, BlocksStored) for e in it.batch.events) for it in items[20:])
 
 
+def test_frames_are_queued_undecoded_and_decoded_when_taken() -> None:
+    """The receiver's work per frame does not grow with the backlog: frames are queued as
+    bytes (weighed by size) and decoded by the worker at the depth behind them then; past the
+    last resort they are dropped undecoded, and a malformed one is counted when taken."""
+    queue = IngestQueue(max_frames=4, shed_above=1)
+    frames = [
+        BATCH_CODEC.encode(
+            EventBatch(source="s", seq=seq, events=tuple(block(seq * 100 + i) for i in range(8)))
+        )
+        for seq in range(1, 4)
+    ]
+    queue.offer_frame(frames[0], 1.0)
+    queue.offer_frame(b"\xc1", 2.0)  # not msgpack
+    queue.offer_frame(frames[1], 3.0, recorded=True)
+    assert queue.depth == 3 and queue.counters.frames == 3
+    assert queue.counters.events_received == 0  # nothing decoded yet
+    first, second = queue.take(100, 0.0)  # decoded when taken; the malformed one left out
+    assert queue.depth == 0 and queue.counters.malformed_frames == 1
+    assert first.batch.seq == 1 and first.received_ts == 1.0 and first.block_events == 8
+    assert not first.recorded and second.recorded and queue.counters.events_received == 16
+    # a backlog behind a frame is what sheds it, when it is taken
+    for _ in range(3):
+        queue.offer_frame(frames[2], 4.0)
+    (behind,) = queue.take(1, 0.0)
+    assert behind.block_events < 8 and queue.counters.block_events_shed > 0
+    # past LAST_RESORT_FACTOR x max_frames of depth: dropped undecoded
+    while queue.depth < 4 * queue.max_frames:
+        queue.offer_frame(frames[2], 5.0)
+    before = queue.counters.frames_dropped
+    queue.offer_frame(frames[2], 6.0)
+    assert queue.counters.frames_dropped == before + 1
+    assert queue.counters.frames_dropped_undecoded == 1
+
+
 def test_coalescing_runs_gives_the_engine_the_same_state() -> None:
     events: list[Event] = []
     for w in range(3):

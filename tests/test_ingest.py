@@ -275,8 +275,8 @@ def test_the_bench_drives_a_real_daemon_and_accounts_for_every_block_event(
 def test_stage_costs_measure_every_stage() -> None:
     costs = stage_costs(StreamShape(blocks_per_event=16, events_per_frame=64), frames=8)
     assert list(costs["cpu_s"]) == [
-        "decode", "offer (count, coalesce)", "Engine + service hooks", "history fan-out",
-        "history DuckDB append",
+        "decode", "hand-over to the history process", "offer (count, coalesce)",
+        "Engine + service hooks", "history fan-out", "history DuckDB append",
     ]  # fmt: skip
     assert costs["block_events"] == 8 * 64 * 16 and costs["requests"] == 8 * 64 * 16 // 512
     assert costs["all_stages_block_events_per_cpu_s"] > 0

@@ -1,9 +1,15 @@
 """Event ingest: a PULL socket drained into a bounded queue, with load shedding.
 
 Senders are never blocked: the receiver thread takes every frame off the socket as fast as it
-arrives, decodes it (a malformed frame - truncated, wrong protocol version, wrong types, too
-large - is counted and dropped, the daemon keeps serving) and queues the batch for the engine
-worker. Overload is handled here, before the Engine:
+arrives and queues it as received; the engine worker decodes it when it takes it (a malformed
+frame - truncated, wrong protocol version, wrong types - is counted and dropped then, one too
+large already by the receiver; the daemon keeps serving). The receiver's work per frame is the
+same however far behind the worker is: when it decoded (and sampled) every frame itself, an
+overload gave it more of the interpreter lock the further behind the Engine was, and at 700k
+block events/s offered the Engine applied ~270-370k (receive livelock; Mogul & Ramakrishnan,
+"Eliminating receive livelock in an interrupt-driven kernel", 1997). A queued backlog is bytes,
+not Python objects, and a frame is applied right after it is decoded. Overload is handled as
+frames are taken, before the Engine, by the depth behind them:
 
 * above ``shed_above_frames`` queued batches, block stores (BlocksStored / BlocksLoaded events,
   whole) are kept with a probability that falls linearly to 0 at ``max_frames``; removals
@@ -16,7 +22,8 @@ worker. Overload is handled here, before the Engine:
   Engine) a frame keeps only its closing events - RequestFinished, WorkflowFinished,
   AllBlocksCleared, which free the Engine's state - and the rest is dropped and counted: state
   that is never closed would otherwise stay until the idle timeout. Past
-  ``LAST_RESORT_FACTOR x max_frames`` frames are dropped whole, so the queue stays bounded;
+  ``LAST_RESORT_FACTOR x max_frames`` frames are dropped whole as they arrive, undecoded, so
+  the queue stays bounded;
 * the keep decision is a hash of the event's first block: the same frame is cut the same way
   every time; an event of 16 hashes is 16 block events, counted and shed together.
 
@@ -186,6 +193,7 @@ class IngestCounters:
     events_dropped: int = 0  # request-level events in those frames that were not kept
     block_events_received: int = 0  # hashes named by block-level events received
     block_events_shed: int = 0  # of them, sampled away
+    frames_dropped_undecoded: int = 0  # of frames_dropped, past the last resort: not decoded
     last_malformed: str = ""
 
 
@@ -197,6 +205,29 @@ class Received:
     block_events: int  # block events it stands for (after shedding)
     weight: int = 1  # in the queue's bounds (see ``weight``)
     recorded: bool = False  # its frame went to the history as received (``Receiver.forward``)
+
+
+@dataclass(slots=True)
+class _Frame:
+    """A frame queued as received (``IngestQueue.offer_frame``), decoded when taken."""
+
+    frame: memoryview | bytes
+    received_ts: float
+    weight: int
+    recorded: bool
+
+
+FRAME_BYTES_PER_WEIGHT: Final = 3 * 1024  # a frame of 256 events of 16 hashes is ~55 KB
+
+
+def frame_weight(nbytes: int) -> int:
+    """A frame's weight before it is decoded, from its size: ~3 KB of msgpack per 256 block
+    events (a hash is 9 bytes), so that it weighs about what ``weight`` gives it decoded.
+
+    >>> frame_weight(55_000), frame_weight(100)
+    (18, 1)
+    """
+    return max(1, -(-nbytes // FRAME_BYTES_PER_WEIGHT))
 
 
 def weight(events: int, blocks: int) -> int:
@@ -214,24 +245,78 @@ class IngestQueue:
     """A bounded hand-off between the receiver and the engine worker (thread-safe). Its depth
     is the queued batches' total ``weight`` (frames of up to 256 events or block events)."""
 
-    def __init__(self, max_frames: int, shed_above: int) -> None:
+    def __init__(
+        self, max_frames: int, shed_above: int, *, max_frame_bytes: int = 8 * 1024 * 1024
+    ) -> None:
         self.max_frames = max_frames
         self.shed_above = shed_above
-        self._items: deque[Received] = deque()
+        self.codec = Codec(EventBatch, max_frame_bytes=max_frame_bytes)
+        self._items: deque[Received | _Frame] = deque()
         self._cond = threading.Condition()
         self.depth = 0  # sum of the queued items' weights
         self.counters = IngestCounters()
+        self._last_log_s = -1e9
 
     def __len__(self) -> int:
         return len(self._items)
 
     def offer(self, batch: EventBatch, received_ts: float, *, recorded: bool = False) -> None:
-        """Queue a decoded batch, shedding block-level events under load (never blocks).
-        Past ``HARD_BOUND_FACTOR x max_frames`` of depth - block events are all shed long
-        before, so request-level events alone outrun the Engine - the frame keeps only its
-        closing events (whole past ``LAST_RESORT_FACTOR x``); what goes is counted, and a frame
-        dropped whole leaves a sequence gap the Engine counts. ``recorded``: the history has
-        the batch already (its frame was forwarded as received)."""
+        """Queue a decoded batch, shedding block-level events under load (never blocks; see
+        ``admit``). ``recorded``: the history has the batch already."""
+        item = self.admit(batch, received_ts, recorded=recorded)
+        if item is not None:
+            self._append(item)
+
+    def offer_frame(
+        self, frame: memoryview | bytes, received_ts: float, *, recorded: bool = False
+    ) -> None:
+        """Queue a frame as received, to be decoded by the worker when it takes it
+        (``decode``): the receiver's work per frame stays the same however far behind the
+        worker is, so that an overload cannot starve the worker of the interpreter lock
+        (receive livelock), and a backlog is compact bytes, not Python objects. Past
+        ``LAST_RESORT_FACTOR x max_frames`` of depth the frame is dropped undecoded (counted
+        in ``frames_dropped`` and ``frames_dropped_undecoded``; its events are not known)."""
+        c = self.counters
+        c.frames += 1
+        if self.depth >= LAST_RESORT_FACTOR * self.max_frames:
+            c.frames_dropped += 1
+            c.frames_dropped_undecoded += 1
+            return
+        self._append(_Frame(frame, received_ts, frame_weight(len(frame)), recorded))
+
+    def _decode(self, item: _Frame) -> Received | None:
+        """A taken frame decoded and admitted (``admit``, at the depth now: the backlog behind
+        it), or None for a malformed frame (counted and logged) or one dropped whole."""
+        try:
+            batch = self.codec.decode(item.frame)
+        except CodecError as exc:
+            self.malformed(exc)
+            return None
+        return self.admit(batch, item.received_ts, recorded=item.recorded)
+
+    def malformed(self, exc: Exception) -> None:
+        """Count a rejected frame, and log it (at most every ten seconds)."""
+        c = self.counters
+        c.malformed_frames += 1
+        c.last_malformed = str(exc)[:200]
+        now = time.monotonic()
+        if now - self._last_log_s >= 10.0:
+            self._last_log_s = now
+            log.warning(
+                "rejected a malformed event frame (%d so far): %s",
+                self.counters.malformed_frames,
+                exc,
+            )
+
+    def admit(
+        self, batch: EventBatch, received_ts: float, *, recorded: bool = False
+    ) -> Received | None:
+        """A decoded batch counted, sampled for the depth now, and coalesced; None when it is
+        dropped whole. Above ``shed_above`` block stores are sampled (``keep_rate``). Past
+        ``HARD_BOUND_FACTOR x max_frames`` of depth - block events are all shed long before,
+        so request-level events alone outrun the Engine - the frame keeps only its closing
+        events (whole past ``LAST_RESORT_FACTOR x``); what goes is counted, and a frame
+        dropped whole leaves a sequence gap the Engine counts."""
         c = self.counters
         c.events_received += len(batch.events)
         blocks = block_events(batch)
@@ -246,7 +331,7 @@ class IngestQueue:
                 closing = tuple(e for e in batch.events if isinstance(e, CLOSING))
             c.events_dropped += len(batch.events) - block_level - len(closing)
             if not closing:
-                return
+                return None
             batch, blocks = EventBatch(source=batch.source, seq=batch.seq, events=closing), 0
         rate = keep_rate(self.depth, self.shed_above, self.max_frames)
         if rate < 1.0 and blocks:
@@ -257,8 +342,10 @@ class IngestQueue:
             blocks -= cut.block_events
         n = len(batch.events)
         batch = coalesce(batch)
-        item = Received(batch, received_ts, n, blocks, weight(n, blocks), recorded)
-        # a batch shed to nothing is still queued: the Engine must see its seq (no false gap)
+        # a batch shed to nothing is still kept: the Engine must see its seq (no false gap)
+        return Received(batch, received_ts, n, blocks, weight(n, blocks), recorded)
+
+    def _append(self, item: Received | _Frame) -> None:
         with self._cond:
             self._items.append(item)
             self.depth += item.weight
@@ -267,27 +354,35 @@ class IngestQueue:
     def take(self, max_weight: int, timeout_s: float) -> list[Received]:
         """Queued batches up to a total weight of ``max_weight`` (at least one), waiting at
         most ``timeout_s`` for the first. What the worker holds is not queued: a small budget
-        keeps the depth, and so shedding, honest about the backlog."""
+        keeps the depth, and so shedding, honest about the backlog. Frames queued as received
+        are decoded here, on the taker's thread and outside the lock (a malformed one is
+        counted and left out)."""
         with self._cond:
             if not self._items:
                 self._cond.wait(timeout_s)
             items = self._items
-            out: list[Received] = []
+            popped: list[Received | _Frame] = []
             taken = 0
-            while items and (not out or taken + items[0].weight <= max_weight):
+            while items and (not popped or taken + items[0].weight <= max_weight):
                 item = items.popleft()
                 taken += item.weight
-                out.append(item)
+                popped.append(item)
             self.depth -= taken
-            return out
+        out: list[Received] = []
+        for item in popped:
+            ready = self._decode(item) if isinstance(item, _Frame) else item
+            if ready is not None:
+                out.append(ready)
+        return out
 
 
 class Receiver:
-    """Owns the PULL socket; decodes frames into ``queue`` on its own thread.
+    """Owns the PULL socket and queues what arrives, on its own thread.
 
-    ``forward``, when given, is handed every valid frame as received with its arrival time (the
-    history in a process of its own: ``HistoryProcess.record_frame``); it returns False for a
-    frame it could not take, and ``forward_dropped`` is then told the frame's batch."""
+    It only takes frames off the socket and queues them (``IngestQueue.offer_frame``): the
+    engine worker decodes them. ``forward``, when given, is handed every frame within the size
+    limit as received, with its arrival time (the history in a process of its own:
+    ``HistoryProcess.record_frame``, which decodes and validates it there)."""
 
     def __init__(
         self,
@@ -296,13 +391,11 @@ class Receiver:
         *,
         max_frame_bytes: int,
         wall_clock: Callable[[], float] = time.time,
-        forward: Callable[[zmq.Frame, float], bool] | None = None,
-        forward_dropped: Callable[[EventBatch], None] | None = None,
+        forward: Callable[[zmq.Frame, float], object] | None = None,
     ) -> None:
         self.queue = queue
         self.forward = forward
-        self.forward_dropped = forward_dropped
-        self.codec = Codec(EventBatch, max_frame_bytes=max_frame_bytes)
+        self.max_frame_bytes = max_frame_bytes
         self.wall_clock = wall_clock
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PULL)
@@ -334,9 +427,8 @@ class Receiver:
             self._sock.close()
 
     def _run(self) -> None:
-        sock, queue, codec, counters = self._sock, self.queue, self.codec, self.queue.counters
-        forward, dropped = self.forward, self.forward_dropped
-        recorded = forward is not None
+        sock, queue, forward = self._sock, self.queue, self.forward
+        limit, recorded = self.max_frame_bytes, self.forward is not None
         try:
             while not self._stop.is_set():
                 if not sock.poll(100):
@@ -347,26 +439,17 @@ class Receiver:
                         frame = sock.recv(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    counters.frames += 1
-                    try:
-                        batch = codec.decode(frame.buffer)
-                    except CodecError as exc:
-                        counters.malformed_frames += 1
-                        counters.last_malformed = str(exc)[:200]
-                        self._log_malformed(exc)
+                    buffer = frame.buffer
+                    if len(buffer) > limit:  # (the codec would refuse it: not queued at all)
+                        queue.counters.frames += 1
+                        queue.malformed(
+                            CodecError(
+                                f"frame of {len(buffer)} bytes exceeds the limit of {limit} bytes"
+                            )
+                        )
                         continue
-                    if forward is not None and not forward(frame, now) and dropped is not None:
-                        dropped(batch)
-                    queue.offer(batch, now, recorded=recorded)
+                    if forward is not None:
+                        forward(frame, now)
+                    queue.offer_frame(buffer, now, recorded=recorded)
         finally:
             self._sock.close()
-
-    def _log_malformed(self, exc: Exception) -> None:
-        now = time.monotonic()
-        if now - self._last_log_s >= 10.0:
-            self._last_log_s = now
-            log.warning(
-                "rejected a malformed event frame (%d so far): %s",
-                self.queue.counters.malformed_frames,
-                exc,
-            )

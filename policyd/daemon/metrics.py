@@ -34,6 +34,8 @@ class _StatsCollector(Collector):
             "block_events_shed": "Block events sampled away under overload (N per store of N).",
             "frames": "Event frames received.",
             "frames_dropped": "Frames cut past the queue's hard bound (closing events kept).",
+            "frames_dropped_undecoded": "Of them, frames dropped whole, undecoded, past the "
+            "last resort (their events are not counted).",
             "events_dropped": "Request-level events dropped past the hard bound (not shed).",
             "malformed_frames": "Event frames rejected as malformed.",
             "seq_gaps": "Batch sequence gaps over all sources.",

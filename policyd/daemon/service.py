@@ -32,7 +32,7 @@ import zmq
 
 from policyd.daemon import checkpoint, views
 from policyd.daemon.heap import release_free_heap
-from policyd.daemon.ingest import IngestQueue, Receiver
+from policyd.daemon.ingest import IngestQueue, Received, Receiver
 from policyd.daemon.kv_events import KvEventSubscriber
 from policyd.daemon.metrics import Metrics
 from policyd.daemon.predictions import PredictionLog, resize_predictor
@@ -212,7 +212,11 @@ class Service:
             self.history = HistoryProcess(history_config)
         else:
             self.history = History(history_config, clock=wall_clock, defer=self._engine_behind)
-        self.queue = IngestQueue(settings.ingest_queue_frames, settings.shed_above_frames)
+        self.queue = IngestQueue(
+            settings.ingest_queue_frames,
+            settings.shed_above_frames,
+            max_frame_bytes=settings.max_frame_bytes,
+        )
         self.metrics = Metrics(lambda: views.stats(self))
         self.receiver: Receiver | None = None
         self.kv_events: KvEventSubscriber | None = None
@@ -239,9 +243,6 @@ class Service:
                 wall_clock=self.wall_clock,
                 # a history in its own process takes the frames as received
                 forward=history.record_frame if isinstance(history, HistoryProcess) else None,
-                forward_dropped=(
-                    history.dropped_frame if isinstance(history, HistoryProcess) else None
-                ),
             )
         except zmq.ZMQError as exc:
             self.history.close()
@@ -440,7 +441,7 @@ class Service:
         falls behind sheds block events from the policy's view."""
         return self.queue.depth > self.queue.shed_above // 2
 
-    def _apply_items(self, items: Sequence[Any]) -> None:
+    def _apply_items(self, items: Sequence[Received]) -> None:
         for item in items:
             with self.lock:  # per batch: HTTP decisions wait at most one batch
                 self.engine.apply(item.batch)

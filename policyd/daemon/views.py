@@ -93,6 +93,7 @@ def stats(service: Service) -> dict[str, Any]:
         "block_events_shed": ic.block_events_shed,
         "block_shed_rate": ic.block_events_shed / blocks_received if blocks_received else 0.0,
         "frames_dropped": ic.frames_dropped,
+        "frames_dropped_undecoded": ic.frames_dropped_undecoded,
         "events_dropped": ic.events_dropped,
         "ingest_queue_frames": len(service.queue),
         "ingest_queue_depth": service.queue.depth,

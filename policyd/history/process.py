@@ -123,6 +123,7 @@ class HistoryProcess:
         self._stats: dict[str, Any] = {}
         self._stats_received_s: float | None = None
         self._dropped = 0  # rows not handed over: the socket was full or the child gone
+        self._frames_dropped = 0  # frames not handed over (their rows are not known)
         self._last_error: str | None = None
         self._closed = False
         self._stopping = threading.Event()
@@ -246,19 +247,20 @@ class HistoryProcess:
         return self._send((b"r", payload), len(rows))
 
     def record_frame(self, frame: zmq.Frame | bytes, received_ts: float) -> bool:
-        """An event frame as a connector sent it (validated by the receiver's codec): the child
-        decodes it again, so that the daemon spends nothing on it but the hand-over."""
-        return self._send((b"f", _ts(received_ts), frame), 0)
+        """An event frame as a connector sent it: the child decodes it (a malformed one is
+        counted there, ``link_malformed``), so that the daemon spends nothing on it but the
+        hand-over. One the socket cannot take is counted in ``frames_dropped`` (its rows are
+        not known without decoding it)."""
+        if self._send((b"f", _ts(received_ts), frame), 0):
+            return True
+        with self._send_lock:
+            self._frames_dropped += 1
+        return False
 
     def record_batch(self, batch: EventBatch, *, received_ts: float) -> None:
         """``History.record_batch``, for batches that did not come as frames (vLLM's KV-event
         stream): encoded here."""
         if not self._send((b"b", _ts(received_ts), BATCH_CODEC.encode(batch)), 0):
-            self._dropped += rows_estimate(batch).rows(self._rate)
-
-    def dropped_frame(self, batch: EventBatch) -> None:
-        """Count the rows of a frame ``record_frame`` could not hand over."""
-        with self._send_lock:
             self._dropped += rows_estimate(batch).rows(self._rate)
 
     # ---- calls -----------------------------------------------------------------------------
@@ -327,6 +329,7 @@ class HistoryProcess:
         stats.setdefault("db_path", str(path))
         dropped = stats.get("rows_dropped")
         stats["rows_dropped"] = (dropped if isinstance(dropped, int) else 0) + self._dropped
+        stats["frames_dropped"] = self._frames_dropped
         proc = self._proc
         alive = proc is not None and proc.poll() is None and self._ready.done()
         stats["writer_alive"] = bool(alive and stats.get("writer_alive", True))
