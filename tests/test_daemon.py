@@ -22,6 +22,7 @@ from policyd.daemon.service import Service
 from policyd.daemon.settings import DaemonSettings, validate_tunables
 from policyd.engine import Engine
 from policyd.history import History
+from policyd.history.process import HistoryProcess
 from policyd.policies import make_policy
 from policyd.predictor import Predictor
 from policyd.types import (
@@ -333,6 +334,12 @@ def test_the_history_writer_is_told_to_step_aside_while_the_engine_is_behind(
         settings_for(tmp_path, ingest_queue_frames=64, shed_above_frames=8, history_writer="thread")
     )
     assert isinstance(service.history, History)  # (in the daemon's process, sharing its lock)
+    assert service.history.config.cpu_budget == 0.25  # history_cpu_budget's default
+    unbudgeted = Service(settings_for(tmp_path / "u", history_cpu_budget=0.0))
+    assert isinstance(unbudgeted.history, HistoryProcess)  # history_writer's default
+    assert unbudgeted.history.config.cpu_budget is None
+    with pytest.raises(ValueError, match="history_writer"):
+        settings_for(tmp_path, history_writer="fork")
     defer = service.history.defer
     assert defer is not None and not defer()
     for seq in range(1, 6):  # five batches of one frame each: past half the shedding depth

@@ -206,6 +206,7 @@ class Service:
             block_sample_rate=self.float_setting("block_sample_rate"),
             retention_s=settings.history_retention_s,
             flush_interval_s=settings.history_flush_interval_s,
+            cpu_budget=settings.history_cpu_budget or None,
         )
         self.history: History | HistoryProcess
         if settings.history_writer == "process":

@@ -144,6 +144,13 @@ class DaemonSettings:
     history_retention_s: float | None = field(
         default=None, metadata={"help": "Drop history rows older than this (None: keep)."}
     )
+    history_cpu_budget: float = field(
+        default=0.25,
+        metadata={
+            "help": "Share of a core the history writer may spend on rows before it samples "
+            "fewer block rows (as when it falls behind); 0: no budget."
+        },
+    )
     history_writer: str = field(
         default="process",
         metadata={
@@ -182,6 +189,8 @@ class DaemonSettings:
             raise ValueError("heap_trim_interval_s must be >= 0 (0 turns it off)")
         if self.shed_above_frames >= self.ingest_queue_frames:
             raise ValueError("shed_above_frames must be below ingest_queue_frames")
+        if self.history_cpu_budget < 0:
+            raise ValueError("history_cpu_budget must be >= 0 (0: no budget)")
         if self.history_writer not in HISTORY_WRITERS:
             raise ValueError(
                 f"unknown history_writer {self.history_writer!r}; valid: "

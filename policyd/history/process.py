@@ -54,7 +54,7 @@ from policyd.types import BATCH_CODEC, EventBatch
 
 log = logging.getLogger(__name__)
 
-SEND_HWM: Final = 4096  # messages queued for the child before records are dropped
+SEND_HWM: Final = 1024  # messages queued for the child (a frame: ~55 KB) before records drop
 STATS_INTERVAL_S: Final = 0.5  # how often the child reports its counters
 START_TIMEOUT_S: Final = 120.0  # for the child to import, migrate and open the file
 CALL_SEND_TIMEOUT_S: Final = 10.0  # a call waits this long for room on the socket

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import chain
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -90,10 +91,11 @@ class HistoryConfig:
     snapshot_storage_version: str | None = "v1.0.0"
     """DuckDB storage version of snapshots, so older DuckDB clients read them; None = this one."""
     cpu_budget: float | None = 0.25
-    """Share of one core the writer thread may use (fanning events out, DuckDB's appends)
-    before it halves the block rows' sample rate, as if it were behind (``adaptive_sampling``;
-    doubled back only under half of it); None: no budget. It keeps a busy history from taking
-    the machine from the daemon's Engine."""
+    """Share of one core the writer thread may use on rows (fanning events out, DuckDB's
+    appends; snapshots, retention and calls are not counted: fewer rows would not make them
+    cheaper) before it halves the block rows' sample rate, as if it were behind
+    (``adaptive_sampling``; doubled back only under half of it); None: no budget. It keeps a
+    busy history from taking the machine from the daemon's Engine."""
     memory_limit: str = "512MB"
     """DuckDB's buffer-pool cap for the writer connection (its default is 80% of the machine's
     memory, which lets a long-running daemon's RSS grow with the file)."""
@@ -210,7 +212,8 @@ class History:
         )
         self._pending = Pending()
         self._pending_estimate = 0
-        self._cpu_share = 0.0  # the writer thread's CPU, in cores, over the last CPU_WINDOW_S
+        self._cpu_share = 0.0  # the writer thread's CPU on rows, in cores, over CPU_WINDOW_S
+        self._upkeep_cpu_s = 0.0  # its CPU on snapshots, retention and calls (not counted)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -400,7 +403,9 @@ class History:
         next_retention = now + self.config.retention_interval_s
         interval = self.config.snapshot_interval_s
         next_snapshot = now + interval if interval else float("inf")
-        cpu_at, cpu_s = now, time.thread_time()
+        # the writer's CPU on rows (fanning out, appending), for cpu_budget: what snapshots,
+        # retention and calls take is left out - sampling fewer rows would not make it less
+        cpu_at, cpu_s = now, self._row_cpu_s()
         while True:
             timeout = max(0.0, next_write - time.monotonic())
             try:
@@ -412,23 +417,35 @@ class History:
                 return
             if isinstance(item, _Call):
                 self._guard(self._write_pending)
-                self._serve(item)
+                self._upkeep(partial(self._serve, item))
             elif item is not None:
                 self._take(item)
             now = time.monotonic()
             if now - cpu_at >= CPU_WINDOW_S:
-                cpu_now = time.thread_time()
+                cpu_now = self._row_cpu_s()
                 self._cpu_share = (cpu_now - cpu_s) / (now - cpu_at)
                 cpu_at, cpu_s = now, cpu_now
             if now >= next_write or self._pending.rows >= WRITE_ROWS:
                 self._guard(self._write_pending)
                 next_write = now + self.config.flush_interval_s
             if now >= next_retention:
-                self._guard(self._retain)
+                self._upkeep(lambda: self._guard(self._retain))
                 next_retention = now + self.config.retention_interval_s
             if now >= next_snapshot:
-                self._guard(self._publish)
+                self._upkeep(lambda: self._guard(self._publish))
                 next_snapshot = now + (interval or float("inf"))
+
+    def _row_cpu_s(self) -> float:
+        """The writer thread's CPU so far, but for upkeep (``_upkeep``)."""
+        return time.thread_time() - self._upkeep_cpu_s
+
+    def _upkeep(self, fn: Callable[[], object]) -> None:
+        """Run work that is not rows (a snapshot, retention, a call) and count its CPU apart."""
+        started = time.thread_time()
+        try:
+            fn()
+        finally:
+            self._upkeep_cpu_s += time.thread_time() - started
 
     def _guard(self, fn: Callable[[], object]) -> None:
         try:
