@@ -255,6 +255,9 @@ class IngestQueue:
         self._cond = threading.Condition()
         self.depth = 0  # sum of the queued items' weights
         self.counters = IngestCounters()
+        # counters change on the receiver's thread, the engine worker's (frames it decodes)
+        # and the vLLM subscriber's (batches it offers): one at a time
+        self._counting = threading.Lock()
         self._last_log_s = -1e9
 
     def __len__(self) -> int:
@@ -271,17 +274,18 @@ class IngestQueue:
         self, frame: memoryview | bytes, received_ts: float, *, recorded: bool = False
     ) -> None:
         """Queue a frame as received, to be decoded by the worker when it takes it
-        (``decode``): the receiver's work per frame stays the same however far behind the
+        (``take``): the receiver's work per frame stays the same however far behind the
         worker is, so that an overload cannot starve the worker of the interpreter lock
         (receive livelock), and a backlog is compact bytes, not Python objects. Past
         ``LAST_RESORT_FACTOR x max_frames`` of depth the frame is dropped undecoded (counted
         in ``frames_dropped`` and ``frames_dropped_undecoded``; its events are not known)."""
         c = self.counters
-        c.frames += 1
-        if self.depth >= LAST_RESORT_FACTOR * self.max_frames:
-            c.frames_dropped += 1
-            c.frames_dropped_undecoded += 1
-            return
+        with self._counting:
+            c.frames += 1
+            if self.depth >= LAST_RESORT_FACTOR * self.max_frames:
+                c.frames_dropped += 1
+                c.frames_dropped_undecoded += 1
+                return
         self._append(_Frame(frame, received_ts, frame_weight(len(frame)), recorded))
 
     def _decode(self, item: _Frame) -> Received | None:
@@ -297,8 +301,9 @@ class IngestQueue:
     def malformed(self, exc: Exception) -> None:
         """Count a rejected frame, and log it (at most every ten seconds)."""
         c = self.counters
-        c.malformed_frames += 1
-        c.last_malformed = str(exc)[:200]
+        with self._counting:
+            c.malformed_frames += 1
+            c.last_malformed = str(exc)[:200]
         now = time.monotonic()
         if now - self._last_log_s >= 10.0:
             self._last_log_s = now
@@ -317,6 +322,10 @@ class IngestQueue:
         so request-level events alone outrun the Engine - the frame keeps only its closing
         events (whole past ``LAST_RESORT_FACTOR x``); what goes is counted, and a frame
         dropped whole leaves a sequence gap the Engine counts."""
+        with self._counting:
+            return self._admit(batch, received_ts, recorded)
+
+    def _admit(self, batch: EventBatch, received_ts: float, recorded: bool) -> Received | None:
         c = self.counters
         c.events_received += len(batch.events)
         blocks = block_events(batch)

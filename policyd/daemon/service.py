@@ -1,8 +1,10 @@
 """The policy daemon's service: the Engine in a thin shell of threads.
 
-* ingest (``Receiver``): PULL socket -> decoded, shed-under-load batches in a bounded queue;
-* engine worker: applies queued batches to the Engine and feeds the history, the predictions
-  log and the SHARDS estimator;
+* ingest (``Receiver``): PULL socket -> frames as received in a bounded queue (and, with the
+  history in its own process, to that process);
+* engine worker: decodes the frames it takes (shed under load), applies them to the Engine and
+  feeds the predictions log, the SHARDS estimator and the history (what it did not get as
+  frames);
 * publisher: PUBs ``Engine.snapshot()`` every ``snapshot_interval_s``;
 * housekeeping: ``engine.tick()`` (idle workflows), ``cache_stats`` rows, MRC + sizing rows,
   history snapshot publication, model checkpoints;
