@@ -14,7 +14,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from policyd.history import HistoryConfig, HistoryError, SchemaTooNew, migrate
+from policyd.history import HistoryError, SchemaTooNew, migrate
 from policyd.history.process import HistoryProcess
 from policyd.types import (
     BATCH_CODEC,
@@ -23,16 +23,8 @@ from policyd.types import (
     EventBatch,
     PrefixHit,
     RequestFinished,
-    RequestStarted,
 )
-
-NOW = 1_800_000_000.0
-
-
-def config(tmp_path: Path, **kw: object) -> HistoryConfig:
-    kw.setdefault("snapshot_interval_s", None)
-    kw.setdefault("cpu_budget", None)  # exact contents: no sampling for the budget's sake
-    return HistoryConfig(db_path=tmp_path / "h.duckdb", **kw)  # type: ignore[arg-type]
+from tests.test_history import NOW, config, started
 
 
 @pytest.fixture
@@ -48,15 +40,7 @@ def batch(seq: int, rid: str, hashes: tuple[int, ...]) -> EventBatch:
         source="vllm-0",
         seq=seq,
         events=(
-            RequestStarted(
-                ts=1.0,
-                request_id=rid,
-                workflow_id="w1",
-                agent="planner",
-                workflow_type="fact-check",
-                block_hashes=hashes,
-                prompt_tokens=16 * len(hashes),
-            ),
+            started(rid, hashes),
             PrefixHit(ts=1.1, request_id=rid, gpu_blocks=1, host_blocks=0, recomputed_blocks=1),
             BlocksStored(ts=1.2, tier="gpu", block_hashes=hashes[1:], request_id=rid),
             RequestFinished(ts=1.3, request_id=rid, output_tokens=3),
