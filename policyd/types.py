@@ -246,11 +246,15 @@ class Codec(Generic[T]):
     def encode(self, message: T) -> bytes:
         return self._encoder.encode((PROTOCOL_VERSION, message))
 
-    def decode(self, frame: bytes | bytearray | memoryview) -> T:
+    def check_size(self, frame: bytes | bytearray | memoryview) -> None:
+        """CodecError for a frame over ``max_frame_bytes`` (what ``decode`` refuses first)."""
         if len(frame) > self.max_frame_bytes:
             raise CodecError(
                 f"frame of {len(frame)} bytes exceeds the limit of {self.max_frame_bytes} bytes"
             )
+
+    def decode(self, frame: bytes | bytearray | memoryview) -> T:
+        self.check_size(frame)
         try:
             header = self._header.decode(frame)
         except (msgspec.DecodeError, RecursionError) as exc:  # deep nesting: RecursionError

@@ -272,21 +272,31 @@ class IngestQueue:
 
     def offer_frame(
         self, frame: memoryview | bytes, received_ts: float, *, recorded: bool = False
-    ) -> None:
+    ) -> bool:
         """Queue a frame as received, to be decoded by the worker when it takes it
         (``take``): the receiver's work per frame stays the same however far behind the
         worker is, so that an overload cannot starve the worker of the interpreter lock
         (receive livelock), and a backlog is compact bytes, not Python objects. Past
         ``LAST_RESORT_FACTOR x max_frames`` of depth the frame is dropped undecoded (counted
-        in ``frames_dropped`` and ``frames_dropped_undecoded``; its events are not known)."""
+        in ``frames_dropped`` and ``frames_dropped_undecoded``; its events are not known).
+        False for a frame over the codec's size limit: refused and counted as malformed now,
+        not queued."""
         c = self.counters
+        try:
+            self.codec.check_size(frame)
+        except CodecError as exc:
+            with self._counting:
+                c.frames += 1
+            self.malformed(exc)
+            return False
         with self._counting:
             c.frames += 1
             if self.depth >= LAST_RESORT_FACTOR * self.max_frames:
                 c.frames_dropped += 1
                 c.frames_dropped_undecoded += 1
-                return
+                return True
         self._append(_Frame(frame, received_ts, frame_weight(len(frame)), recorded))
+        return True
 
     def _decode(self, item: _Frame) -> Received | None:
         """A taken frame decoded and admitted (``admit``, at the depth now: the backlog behind
@@ -404,7 +414,6 @@ class Receiver:
     ) -> None:
         self.queue = queue
         self.forward = forward
-        self.max_frame_bytes = max_frame_bytes
         self.wall_clock = wall_clock
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PULL)
@@ -417,7 +426,6 @@ class Receiver:
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="policyd-ingest", daemon=True)
-        self._last_log_s = -1e9
 
     @property
     def running(self) -> bool:
@@ -437,7 +445,7 @@ class Receiver:
 
     def _run(self) -> None:
         sock, queue, forward = self._sock, self.queue, self.forward
-        limit, recorded = self.max_frame_bytes, self.forward is not None
+        recorded = forward is not None
         try:
             while not self._stop.is_set():
                 if not sock.poll(100):
@@ -448,17 +456,8 @@ class Receiver:
                         frame = sock.recv(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    buffer = frame.buffer
-                    if len(buffer) > limit:  # (the codec would refuse it: not queued at all)
-                        queue.counters.frames += 1
-                        queue.malformed(
-                            CodecError(
-                                f"frame of {len(buffer)} bytes exceeds the limit of {limit} bytes"
-                            )
-                        )
-                        continue
-                    if forward is not None:
+                    # a frame over the size limit is refused (and not forwarded)
+                    if queue.offer_frame(frame.buffer, now, recorded=recorded) and forward:
                         forward(frame, now)
-                    queue.offer_frame(buffer, now, recorded=recorded)
         finally:
             self._sock.close()
