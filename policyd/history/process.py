@@ -224,18 +224,23 @@ class HistoryProcess:
 
     # ---- records (never block) ---------------------------------------------------------------
 
-    def _send(self, parts: Sequence[bytes | memoryview | zmq.Frame], rows: int) -> bool:
+    def _send(self, parts: Sequence[bytes | memoryview | zmq.Frame]) -> bool:
+        """Hand a message over without waiting; False when the socket cannot take it now (the
+        caller counts what was dropped: ``_count_dropped``)."""
         with self._send_lock:
             sock = self._out
             if sock is None or self._closed:
-                self._dropped += rows
                 return False
             try:
                 sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                self._dropped += rows
                 return False
             return True
+
+    def _count_dropped(self, *, rows: int = 0, frames: int = 0) -> None:
+        with self._send_lock:
+            self._dropped += rows
+            self._frames_dropped += frames
 
     def record(self, table: str, rows: Sequence[Mapping[str, object]]) -> bool:
         """``History.record``: unknown table or column -> ValueError; rows the child cannot take
@@ -243,25 +248,26 @@ class HistoryProcess:
         check_rows(table, rows)
         if not rows:
             return True
-        payload = _encode((table, list(rows)))
-        return self._send((b"r", payload), len(rows))
+        if self._send((b"r", _encode((table, list(rows))))):
+            return True
+        self._count_dropped(rows=len(rows))
+        return False
 
     def record_frame(self, frame: zmq.Frame | bytes, received_ts: float) -> bool:
         """An event frame as a connector sent it: the child decodes it (a malformed one is
         counted there, ``link_malformed``), so that the daemon spends nothing on it but the
         hand-over. One the socket cannot take is counted in ``frames_dropped`` (its rows are
         not known without decoding it)."""
-        if self._send((b"f", _ts(received_ts), frame), 0):
+        if self._send((b"f", _ts(received_ts), frame)):
             return True
-        with self._send_lock:
-            self._frames_dropped += 1
+        self._count_dropped(frames=1)
         return False
 
     def record_batch(self, batch: EventBatch, *, received_ts: float) -> None:
         """``History.record_batch``, for batches that did not come as frames (vLLM's KV-event
         stream): encoded here."""
-        if not self._send((b"b", _ts(received_ts), BATCH_CODEC.encode(batch)), 0):
-            self._dropped += rows_estimate(batch).rows(self._rate)
+        if not self._send((b"b", _ts(received_ts), BATCH_CODEC.encode(batch))):
+            self._count_dropped(rows=rows_estimate(batch).rows(self._rate))
 
     # ---- calls -----------------------------------------------------------------------------
 
