@@ -1,10 +1,14 @@
 """Screenshots of every dashboard page in headless Chromium, and a check that they are not blank.
 
 ``python -m ui.screenshots --api http://127.0.0.1:8470 --out docs/ui`` starts ``streamlit run
-ui/app.py`` on a free port, waits for ``/_stcore/health``, and has Debian's ``chromium`` render each
-page to ``<out>/<page>.png``. Chromium renders a Streamlit page only with a virtual-time budget of
-10 s or more and can hang on smaller ones (DESIGN.md §4), so every run is wrapped in a wall-clock
-timeout. tests/test_ui_browser.py uses the same functions.
+ui/app.py`` on a free port, waits for ``/_stcore/health``, and has Debian's ``chromium``, driven
+through Playwright, load each page and save ``<out>/<page>.png`` once the page is done: Streamlit
+marks its app element ``data-test-script-state="notRunning"`` when the page's script has finished,
+and every Vega-Lite chart has drawn its canvas. tests/test_ui_live.py uses the same functions.
+
+Chromium's own ``--screenshot`` cannot wait for that: it captures when a virtual-time budget runs
+out, and Chromium 156.0.8078.114 often captured an empty white page that way however long the
+budget (docs/UI.md, "Screenshots").
 """
 
 from __future__ import annotations
@@ -26,19 +30,20 @@ from typing import Final
 
 import numpy as np
 from PIL import Image
+from playwright.sync_api import Error as PlaywrightError
+from playwright.sync_api import Page, sync_playwright
 
 from ui.demo import start_live_daemon
 from ui.views import PAGES
 
 APP: Final = Path(__file__).resolve().parent / "app.py"
-VIRTUAL_TIME_BUDGET_MS: Final = 15_000
 WINDOW: Final = (1400, 1800)
-CHROMIUM_TIMEOUT_S: Final = 120.0
+PAGE_TIMEOUT_S: Final = 120.0  # a loaded CI machine runs a page's script slowly, not never
 STARTUP_TIMEOUT_S: Final = 60.0
 CHROMIUM_FLAGS: Final = (
-    "--headless",
     "--no-sandbox",
     "--disable-gpu",
+    "--disable-dev-shm-usage",
     "--disable-background-networking",
     "--disable-component-update",
     "--disable-sync",
@@ -46,6 +51,14 @@ CHROMIUM_FLAGS: Final = (
     "--hide-scrollbars",
     "--force-device-scale-factor=1",
 )
+# the page's script has run (a run id exists) and is not running now
+SCRIPT_DONE: Final = '[data-testid="stApp"][data-test-script-state="notRunning"]'
+CHARTS_DRAWN: Final = """() => [...document.querySelectorAll('.vega-embed')]
+    .every(chart => chart.querySelector('canvas, svg'))"""
+SCRIPT_STATE: Final = """() => {
+    const app = document.querySelector('[data-testid="stApp"]');
+    return app ? app.getAttribute('data-test-script-state') : 'no app element';
+}"""
 
 
 class ScreenshotError(RuntimeError):
@@ -137,36 +150,23 @@ def wait_healthy(base: str, process: subprocess.Popen[bytes]) -> None:
     raise ScreenshotError(f"streamlit at {base} not healthy within {STARTUP_TIMEOUT_S:g} s")
 
 
-def screenshot(
-    url: str,
-    out: Path,
-    *,
-    budget_ms: int = VIRTUAL_TIME_BUDGET_MS,
-    window: tuple[int, int] = WINDOW,
-    timeout_s: float = CHROMIUM_TIMEOUT_S,
-) -> Path:
-    """Render ``url`` in headless Chromium to the PNG ``out``."""
-    chromium = chromium_path()
-    if chromium is None:
-        raise ScreenshotError("chromium is not installed (apt-get install -y chromium)")
+def capture_page(page: Page, url: str, out: Path, *, timeout_s: float = PAGE_TIMEOUT_S) -> Path:
+    """Load ``url`` in ``page``; save a PNG of the viewport once its script and charts are done."""
+    timeout_ms = timeout_s * 1000
+    try:
+        page.goto(url, wait_until="load", timeout=timeout_ms)
+        page.wait_for_selector(SCRIPT_DONE, timeout=timeout_ms)
+        page.wait_for_function(CHARTS_DRAWN, timeout=timeout_ms)
+    except PlaywrightError as exc:
+        try:
+            state = page.evaluate(SCRIPT_STATE)
+        except PlaywrightError:
+            state = "unknown"
+        raise ScreenshotError(
+            f"{url} not done within {timeout_s:g} s (script state {state!r}): {exc.message}"
+        ) from exc
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="agentkv-chromium-") as profile:
-        command = [
-            "timeout",
-            "--kill-after=5",
-            f"{timeout_s:g}",
-            chromium,
-            *CHROMIUM_FLAGS,
-            f"--user-data-dir={profile}",
-            f"--virtual-time-budget={budget_ms}",
-            f"--window-size={window[0]},{window[1]}",
-            f"--screenshot={out}",
-            url,
-        ]
-        result = subprocess.run(command, capture_output=True, check=False)
-    if result.returncode != 0 or not out.is_file():
-        tail = result.stderr.decode(errors="replace")[-800:]
-        raise ScreenshotError(f"chromium exited {result.returncode} for {url}: {tail}")
+    page.screenshot(path=str(out))
     return out
 
 
@@ -207,31 +207,36 @@ def capture_all(
     *,
     token: str | None = None,
     pages: Sequence[str] | None = None,
-    attempts: int = 6,
+    attempts: int = 3,
     log_path: Path | None = None,
 ) -> dict[str, Path]:
-    """Screenshot each page (all by default) of a dashboard pointed at ``api_url``.
-
-    Chromium's virtual clock runs ahead while it waits on Streamlit's websocket, so a page whose
-    script is still running (a slow first import, a slow daemon) can be captured as a loading
-    skeleton: one throwaway load warms the server up, and a blank capture is retaken."""
+    """Screenshot each page (all by default) of a dashboard pointed at ``api_url``; a capture that
+    is blank all the same (a page drawn after its script finished) is retaken."""
+    chromium = chromium_path()
+    if chromium is None:
+        raise ScreenshotError("chromium is not installed (apt-get install -y chromium)")
     paths = page_paths()
     chosen = list(pages) if pages else list(paths)
     shots: dict[str, Path] = {}
-    with streamlit_server(api_url, token=token, log_path=log_path) as base:
-        with tempfile.TemporaryDirectory(prefix="agentkv-warmup-") as warm:
-            screenshot(base + "/", Path(warm) / "warmup.png")
-        for name in chosen:
-            started = time.monotonic()
-            tries = 0
-            while True:
-                tries += 1
-                shots[name] = screenshot(base + paths[name], out_dir / f"{name}.png")
-                if tries >= attempts or not measure(shots[name]).blank():
-                    break
-                time.sleep(1.0)  # a loaded machine: give the server a moment
-            elapsed_s = time.monotonic() - started
-            print(f"{name}: {shots[name]} in {elapsed_s:.1f} s, {tries} tries", flush=True)
+    with (
+        streamlit_server(api_url, token=token, log_path=log_path) as base,
+        sync_playwright() as playwright,
+    ):
+        browser = playwright.chromium.launch(executable_path=chromium, args=list(CHROMIUM_FLAGS))
+        try:
+            page = browser.new_page(viewport={"width": WINDOW[0], "height": WINDOW[1]})
+            for name in chosen:
+                started = time.monotonic()
+                tries = 0
+                while True:
+                    tries += 1
+                    shots[name] = capture_page(page, base + paths[name], out_dir / f"{name}.png")
+                    if tries >= attempts or not measure(shots[name]).blank():
+                        break
+                elapsed_s = time.monotonic() - started
+                print(f"{name}: {shots[name]} in {elapsed_s:.1f} s, {tries} tries", flush=True)
+        finally:
+            browser.close()
     return shots
 
 
