@@ -71,6 +71,7 @@ class DaemonClient:
         }
         self._seq = 0
         self._pending_frame: tuple[bytes, int] | None = None  # (frame, events in it)
+        self._in_flight = 0  # events taken off the queue, not yet sent, retried or dropped
         self._snapshot: PolicySnapshot | None = None
         self._snapshot_received_s = 0.0
         self._last_log_s: dict[str, float] = {}
@@ -134,7 +135,7 @@ class DaemonClient:
         self._wake.set()
         while time.monotonic() < deadline:
             with self._lock:
-                if not self._queue and not self._pending_frame:
+                if not self._queue and not self._pending_frame and not self._in_flight:
                     return True
             self._wake.set()
             time.sleep(0.002)
@@ -186,6 +187,7 @@ class DaemonClient:
                 events = tuple(self._queue.popleft() for _ in range(n))
                 self._seq += 1
                 seq = self._seq
+                self._in_flight = n
             else:
                 events = ()
                 seq = 0
@@ -194,6 +196,8 @@ class DaemonClient:
                 frame = BATCH_CODEC.encode(EventBatch(source=self.source, seq=seq, events=events))
             except Exception as exc:  # an event the codec cannot carry: drop it, never raise
                 self._count_error("encode", exc, dropped=len(events))
+                with self._lock:
+                    self._in_flight = 0
                 return True
             pending = (frame, len(events))
         try:
@@ -201,15 +205,18 @@ class DaemonClient:
         except zmq.Again:  # no daemon connected, or its queue is full: retry later
             with self._lock:
                 self._pending_frame = pending
+                self._in_flight = 0
             self._count_error("send", "daemon not reachable or not draining (HWM)", dropped=0)
             return False
         except zmq.ZMQError as exc:
             with self._lock:
                 self._pending_frame = None
+                self._in_flight = 0
             self._count_error("send", exc, dropped=pending[1])
             return False
         with self._lock:
             self._pending_frame = None
+            self._in_flight = 0
             self._counts["sent_batches"] += 1
             self._counts["sent_events"] += pending[1]
         return True

@@ -63,6 +63,9 @@ def test_events_arrive_batched_in_order_with_increasing_seq(
         assert client.send(WorkflowFinished(ts=0.0, workflow_id="w0"))
         assert client.send_many(stored(i) for i in range(1, n)) == n - 1
         batches = receive_batches(pull, n)
+        # the last frame can reach the daemon before the sender thread counts it: flush waits
+        # for every event taken off the queue to be sent and counted
+        assert client.flush()
         stats = client.stats()
     events = [e for b in batches for e in b.events]
     assert len(events) == n
