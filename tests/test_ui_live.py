@@ -15,6 +15,7 @@ from typing import Any
 
 import pyarrow as pa  # type: ignore[import-untyped]
 import pytest
+from playwright.sync_api import sync_playwright
 from streamlit.testing.v1 import AppTest
 
 from policyd.daemon.server import start_daemon
@@ -242,6 +243,27 @@ def test_every_page_renders_in_headless_chromium(api: Client, tmp_path: Path) ->
     for name, colors in must_show.items():
         for color in colors:
             assert screenshots.color_pixels(shots[name], color) > 200, (name, color, shots[name])
+
+
+@pytest.mark.slow
+def test_a_page_that_never_finishes_is_an_error_naming_its_state(tmp_path: Path) -> None:
+    """The harness waits for Streamlit's own end-of-script mark; a page that never shows it (here
+    a plain file, not a Streamlit app) is a ScreenshotError, not a capture of whatever is drawn."""
+    if screenshots.chromium_path() is None:
+        pytest.fail("chromium is not installed: apt-get install -y chromium (see .ci/run)")
+    plain = tmp_path / "plain.html"
+    plain.write_text("<html><body><h1>not a dashboard</h1></body></html>")
+    out = tmp_path / "plain.png"
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=screenshots.chromium_path(), args=list(screenshots.CHROMIUM_FLAGS)
+        )
+        try:
+            with pytest.raises(screenshots.ScreenshotError, match="script state 'no app element'"):
+                screenshots.capture_page(browser.new_page(), plain.as_uri(), out, timeout_s=2)
+        finally:
+            browser.close()
+    assert not out.exists()
 
 
 def test_tuning_needs_the_daemons_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
