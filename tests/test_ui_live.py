@@ -15,7 +15,6 @@ from typing import Any
 
 import pyarrow as pa  # type: ignore[import-untyped]
 import pytest
-from playwright.sync_api import sync_playwright
 from streamlit.testing.v1 import AppTest
 
 from policyd.daemon.server import start_daemon
@@ -254,15 +253,11 @@ def test_a_page_that_never_finishes_is_an_error_naming_its_state(tmp_path: Path)
     plain = tmp_path / "plain.html"
     plain.write_text("<html><body><h1>not a dashboard</h1></body></html>")
     out = tmp_path / "plain.png"
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=screenshots.chromium_path(), args=list(screenshots.CHROMIUM_FLAGS)
-        )
-        try:
-            with pytest.raises(screenshots.ScreenshotError, match="script state 'no app element'"):
-                screenshots.capture_page(browser.new_page(), plain.as_uri(), out, timeout_s=2)
-        finally:
-            browser.close()
+    with (
+        screenshots.chromium_browser() as browser,
+        pytest.raises(screenshots.ScreenshotError, match="script state 'no app element'"),
+    ):
+        screenshots.capture_page(browser.new_page(), plain.as_uri(), out, timeout_s=2)
     assert not out.exists()
 
 

@@ -30,8 +30,8 @@ from typing import Final
 
 import numpy as np
 from PIL import Image
+from playwright.sync_api import Browser, Page, sync_playwright
 from playwright.sync_api import Error as PlaywrightError
-from playwright.sync_api import Page, sync_playwright
 
 from ui.demo import start_live_daemon
 from ui.views import PAGES
@@ -150,6 +150,20 @@ def wait_healthy(base: str, process: subprocess.Popen[bytes]) -> None:
     raise ScreenshotError(f"streamlit at {base} not healthy within {STARTUP_TIMEOUT_S:g} s")
 
 
+@contextlib.contextmanager
+def chromium_browser() -> Iterator[Browser]:
+    """Debian's ``chromium``, headless, driven through Playwright."""
+    chromium = chromium_path()
+    if chromium is None:
+        raise ScreenshotError("chromium is not installed (apt-get install -y chromium)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, args=list(CHROMIUM_FLAGS))
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
 def capture_page(page: Page, url: str, out: Path, *, timeout_s: float = PAGE_TIMEOUT_S) -> Path:
     """Load ``url`` in ``page``; save a PNG of the viewport once its script and charts are done."""
     timeout_ms = timeout_s * 1000
@@ -212,31 +226,24 @@ def capture_all(
 ) -> dict[str, Path]:
     """Screenshot each page (all by default) of a dashboard pointed at ``api_url``; a capture that
     is blank all the same (a page drawn after its script finished) is retaken."""
-    chromium = chromium_path()
-    if chromium is None:
-        raise ScreenshotError("chromium is not installed (apt-get install -y chromium)")
     paths = page_paths()
     chosen = list(pages) if pages else list(paths)
     shots: dict[str, Path] = {}
     with (
+        chromium_browser() as browser,
         streamlit_server(api_url, token=token, log_path=log_path) as base,
-        sync_playwright() as playwright,
     ):
-        browser = playwright.chromium.launch(executable_path=chromium, args=list(CHROMIUM_FLAGS))
-        try:
-            page = browser.new_page(viewport={"width": WINDOW[0], "height": WINDOW[1]})
-            for name in chosen:
-                started = time.monotonic()
-                tries = 0
-                while True:
-                    tries += 1
-                    shots[name] = capture_page(page, base + paths[name], out_dir / f"{name}.png")
-                    if tries >= attempts or not measure(shots[name]).blank():
-                        break
-                elapsed_s = time.monotonic() - started
-                print(f"{name}: {shots[name]} in {elapsed_s:.1f} s, {tries} tries", flush=True)
-        finally:
-            browser.close()
+        page = browser.new_page(viewport={"width": WINDOW[0], "height": WINDOW[1]})
+        for name in chosen:
+            started = time.monotonic()
+            tries = 0
+            while True:
+                tries += 1
+                shots[name] = capture_page(page, base + paths[name], out_dir / f"{name}.png")
+                if tries >= attempts or not measure(shots[name]).blank():
+                    break
+            elapsed_s = time.monotonic() - started
+            print(f"{name}: {shots[name]} in {elapsed_s:.1f} s, {tries} tries", flush=True)
     return shots
 
 
