@@ -217,6 +217,7 @@ class _Frame:
     recorded: bool
 
 
+INGEST_MAX_FRAME_BYTES: Final = 8 * 1024 * 1024  # the daemon's default limit (types: 64 MiB)
 FRAME_BYTES_PER_WEIGHT: Final = 3 * 1024  # a frame of 256 events of 16 hashes is ~55 KB
 
 
@@ -246,7 +247,7 @@ class IngestQueue:
     is the queued batches' total ``weight`` (frames of up to 256 events or block events)."""
 
     def __init__(
-        self, max_frames: int, shed_above: int, *, max_frame_bytes: int = 8 * 1024 * 1024
+        self, max_frames: int, shed_above: int, *, max_frame_bytes: int = INGEST_MAX_FRAME_BYTES
     ) -> None:
         self.max_frames = max_frames
         self.shed_above = shed_above
@@ -408,7 +409,6 @@ class Receiver:
         endpoint: str,
         queue: IngestQueue,
         *,
-        max_frame_bytes: int,
         wall_clock: Callable[[], float] = time.time,
         forward: Callable[[zmq.Frame, float], object] | None = None,
     ) -> None:
@@ -420,8 +420,8 @@ class Receiver:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 1024)
         # far beyond the codec's limit ZeroMQ drops the message (and the peer's connection) at
-        # the transport, before buffering it; in between, the codec rejects and counts it
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_frame_bytes)
+        # the transport, before buffering it; in between, the queue's codec rejects and counts it
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 4 * queue.codec.max_frame_bytes)
         self._sock.bind(endpoint)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = threading.Event()

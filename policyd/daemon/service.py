@@ -242,7 +242,6 @@ class Service:
             self.receiver = Receiver(
                 self.settings.events,
                 self.queue,
-                max_frame_bytes=self.settings.max_frame_bytes,
                 wall_clock=self.wall_clock,
                 # a history in its own process takes the frames as received
                 forward=history.record_frame if isinstance(history, HistoryProcess) else None,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Final
 
+from policyd.daemon.ingest import INGEST_MAX_FRAME_BYTES
 from policyd.policies import POLICIES
 from policyd.sim.profiles import PROFILES
 from policyd.wire import (
@@ -104,7 +105,7 @@ class DaemonSettings:
         },
     )
     max_frame_bytes: int = field(
-        default=8 * 1024 * 1024,
+        default=INGEST_MAX_FRAME_BYTES,
         metadata={"help": "Event frames larger than this are rejected as malformed."},
     )
     tick_interval_s: float = field(
