@@ -36,6 +36,7 @@ import msgspec
 import zmq
 from matplotlib.figure import Figure
 
+from policyd.daemon.heap import rss_bytes
 from policyd.daemon.server import READY_PREFIX
 from policyd.types import (
     PROTOCOL_VERSION,
@@ -253,27 +254,17 @@ def _sender(endpoint: str, sender: int, spec: SenderSpec, out: Any) -> None:
     out.put((frames, events, blocks, again, started, ended))
 
 
-def _rss_bytes(pid: int) -> int | None:
+def _daemon_rss_bytes(pid: int) -> int | None:
     """The RSS of the daemon and of its child processes (its history writer's): the memory it
     takes, wherever it runs."""
-    own = _own_rss_bytes(pid)
+    own = rss_bytes(pid)
     if own is None:
         return None
     try:
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     except OSError:
         children = []
-    return own + sum(_own_rss_bytes(int(child)) or 0 for child in children)
-
-
-def _own_rss_bytes(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return own + sum(rss_bytes(int(child)) or 0 for child in children)
 
 
 def _pct(values: Sequence[float], q: float) -> float | None:
@@ -394,7 +385,7 @@ def run_bench(
                 "/api/settings", json={"block_sample_rate": block_sample_rate}
             ).raise_for_status()
         time.sleep(1.0)
-        rss_before = _rss_bytes(proc.pid)
+        rss_before = _daemon_rss_bytes(proc.pid)
         say(f"policyd serve pid {proc.pid} at {http_url}; RSS {(rss_before or 0) / 2**20:.0f} MiB")
         ctx = zmq.Context()
         sub = ctx.socket(zmq.SUB)
@@ -461,7 +452,7 @@ def run_bench(
             f"at most {DECISION_BUDGET_S:.0f} s each; queue depth {backlog})")  # fmt: skip
         decision = _decision_latency(http_url, decisions)
         decision["queue_depth_at_start"] = backlog
-        rss_after = _rss_bytes(proc.pid)
+        rss_after = _daemon_rss_bytes(proc.pid)
         series.append(_sample(time.monotonic() - t0, _get_stats(client), proc.pid,
                               os.getloadavg()[0]))  # fmt: skip
         sub.close()
@@ -549,7 +540,7 @@ def _sample(t_s: float, st: dict[str, Any], pid: int, load_1m: float) -> dict[st
     """One point of the series: time, the daemon's RSS and counters, the machine's load."""
     return {
         "t_s": round(t_s, 2),
-        "rss_mib": (_rss_bytes(pid) or 0) / 2**20,
+        "rss_mib": (_daemon_rss_bytes(pid) or 0) / 2**20,
         "block_events_received": st["block_events_received"],
         "block_events_applied": st["block_events_applied"],
         "block_events_shed": st["block_events_shed"],

@@ -1,4 +1,4 @@
-"""Handing freed heap memory back to the operating system.
+"""Handing freed heap memory back to the operating system, and reading a process's RSS.
 
 The daemon's threads (ingest, engine, history writer, HTTP) allocate and free many small
 objects; glibc keeps freed memory in per-thread arenas and returns it only from the top of
@@ -15,6 +15,7 @@ import ctypes.util
 import logging
 from collections.abc import Callable
 from functools import cache
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -35,3 +36,15 @@ def release_free_heap() -> bool:
     """Return free heap pages to the OS; ``True`` when the C library did (glibc)."""
     trim = _malloc_trim()
     return bool(trim(0)) if trim is not None else False
+
+
+def rss_bytes(pid: int | str = "self") -> int | None:
+    """A process's resident set size (``VmRSS`` in ``/proc/<pid>/status``); None off Linux or
+    for a process that is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

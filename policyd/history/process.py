@@ -46,6 +46,7 @@ from typing import Any, Final
 import msgspec
 import zmq
 
+from policyd.daemon.heap import rss_bytes
 from policyd.history.fanout import rows_estimate
 from policyd.history.revisions import HistoryError, migrate
 from policyd.history.schema import check_rows
@@ -421,14 +422,6 @@ def _bind_loopback(sock: zmq.Socket[bytes]) -> str:
 # ---- the child ---------------------------------------------------------------------------------
 
 
-def _rss_bytes() -> int | None:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 class _Child:
     """The child's loop: takes messages in order and hands them to its ``History``."""
 
@@ -450,7 +443,7 @@ class _Child:
 
     def report(self) -> None:
         stats = self.history.stats()
-        stats["rss_bytes"] = _rss_bytes()
+        stats["rss_bytes"] = rss_bytes()
         stats["link_malformed"] = self.malformed
         self.send(b"stats", stats)
 
