@@ -36,6 +36,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -358,6 +359,43 @@ def cost_table(results: Sequence[Result]) -> Table:
     return out
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from error
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers of at least 1, got {text!r}")
+    return values
+
+
+def predictor_variants(
+    beams: Sequence[int] | None, refreshes: Sequence[int] | None
+) -> list[tuple[str, dict[str, Any]]]:
+    """(label, Predictor options) for every combination of the values given; the label names
+    only the options given (empty when nothing is varied).
+
+    >>> predictor_variants(None, [16, 64])
+    [('refresh=16', {'refresh': 16}), ('refresh=64', {'refresh': 64})]
+    >>> predictor_variants(None, None)
+    [('', {})]
+    """
+    variants: list[tuple[str, dict[str, Any]]] = []
+    unset: list[int | None] = [None]
+    for beam in beams or unset:
+        for refresh in refreshes or unset:
+            options = {
+                key: value
+                for key, value in (("beam", beam), ("refresh", refresh))
+                if value is not None
+            }
+            label = " ".join(f"{key}={value}" for key, value in options.items())
+            variants.append((label, options))
+    return variants
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m policyd.predictor_eval",
@@ -373,6 +411,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--whowhen", type=Path, default=WHOWHEN, help="Who&When chats directory")
     parser.add_argument(
+        "--refresh",
+        type=_int_list,
+        help="the predictor's count-view refresh (learns of a type); a comma-separated list "
+        "runs each value on each workload in this one run, side by side (default: the "
+        "predictor's own)",
+    )
+    parser.add_argument(
+        "--beam",
+        type=_int_list,
+        help="continuations expanded per roll-out step; a list as for --refresh",
+    )
+    parser.add_argument(
         "--cost",
         action="store_true",
         help="also print the cost table: CPU µs per call (predict, learn), the reference loop "
@@ -386,18 +436,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[Result] = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as progress:
-        total = sum(w.calls + len(w.streams) for w in workloads)
+        variants = predictor_variants(args.beam, args.refresh)
+        total = len(variants) * sum(w.calls + len(w.streams) for w in workloads)
         task = progress.add_task("events", total=total)
         for name, workload in zip(names, workloads, strict=True):
-            progress.update(task, description=name)
-            predictor = Predictor(k=args.k, noise=args.noise, seed=args.seed)
-            result = evaluate(
-                workload,
-                predictor,
-                concurrency=args.concurrency,
-                advance=lambda: progress.advance(task),
-            )
-            results.append(dataclasses.replace(result, name=name))
+            for variant, options in variants:
+                progress.update(task, description=f"{name} {variant}".strip())
+                predictor = Predictor(k=args.k, noise=args.noise, seed=args.seed, **options)
+                result = evaluate(
+                    workload,
+                    predictor,
+                    concurrency=args.concurrency,
+                    advance=lambda: progress.advance(task),
+                )
+                results.append(dataclasses.replace(result, name=f"{name} {variant}".strip()))
     console.print(table(results, args.k))
     speed = min(min(r.reference_us) for r in results)
     ours, markov = ("/".join(f"{a:.3f}" for a in accs) for accs in PAPER_FACT_CHECKING)

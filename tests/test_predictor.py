@@ -565,6 +565,19 @@ def test_eval_cost_table_reports_a_ratio_to_the_reference_loop(
     assert result.predict_us > 0 and result.learn_us > 0
 
 
+def test_eval_runs_predictor_variants_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--workloads", "financial", "--workflows", "20", "--concurrency", "4"]
+    assert predictor_eval.main([*argv, "--refresh", "16,64", "--beam", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "financial beam=1 refresh=16" in out and "financial beam=1 refresh=64" in out
+    with pytest.raises(SystemExit):
+        predictor_eval.main([*argv, "--refresh", "sixteen"])
+    assert "expected comma-separated integers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        predictor_eval.main([*argv, "--beam", "0"])
+    assert "at least 1" in capsys.readouterr().err
+
+
 def test_unknown_workload_is_refused() -> None:
     with pytest.raises(ValueError, match="fact-checking"):
         predictor_eval.load("nope", 1, 0, WHOWHEN)
