@@ -10,6 +10,7 @@ from pathlib import Path
 from rich.console import Console
 
 from policyd import cli_daemon, cli_history
+from policyd.arguments import int_list
 from policyd.bench import (
     BenchSpec,
     bench_json,
@@ -25,17 +26,7 @@ from policyd.throughput import measure_throughput, render_throughput
 from policyd.traces import READERS, load_trace, render_stats, trace_stats
 from policyd.workloads import WORKLOADS, make_workload
 
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values or any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
-    return values
+_ints = int_list()
 
 
 def _fractions(text: str) -> list[float]:

@@ -42,6 +42,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from policyd.arguments import int_list
 from policyd.predictor import END, START, Predictor
 from policyd.traces.whowhen import whowhen_workload
 from policyd.workload import Call, Workload
@@ -359,18 +360,6 @@ def cost_table(results: Sequence[Result]) -> Table:
     return out
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from error
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers of at least 1, got {text!r}")
-    return values
-
-
 def predictor_variants(
     beams: Sequence[int] | None, refreshes: Sequence[int] | None
 ) -> list[tuple[str, dict[str, Any]]]:
@@ -412,14 +401,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--whowhen", type=Path, default=WHOWHEN, help="Who&When chats directory")
     parser.add_argument(
         "--refresh",
-        type=_int_list,
+        type=int_list(1),
         help="the predictor's count-view refresh (learns of a type); a comma-separated list "
         "runs each value on each workload in this one run, side by side (default: the "
         "predictor's own)",
     )
     parser.add_argument(
         "--beam",
-        type=_int_list,
+        type=int_list(1),
         help="continuations expanded per roll-out step; a list as for --refresh",
     )
     parser.add_argument(
