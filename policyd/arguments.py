@@ -5,21 +5,37 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import TypeVar
+
+N = TypeVar("N", int, float)
 
 
-def int_list(minimum: int = 0) -> Callable[[str], list[int]]:
-    """An argparse type: comma-separated integers, each at least ``minimum``."""
+def _number_list(
+    convert: Callable[[str], N], kind: str, valid: Callable[[N], bool], what: str
+) -> Callable[[str], list[N]]:
+    """An argparse type: comma-separated ``kind`` (parsed by ``convert``), at least one, each
+    ``valid`` (else: "expected ``what``")."""
 
-    def parse(text: str) -> list[int]:
+    def parse(text: str) -> list[N]:
         try:
-            values = [int(v) for v in text.split(",") if v.strip()]
+            values = [convert(v) for v in text.split(",") if v.strip()]
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"expected comma-separated integers, got {text!r}"
+                f"expected comma-separated {kind}, got {text!r}"
             ) from None
-        if not values or any(v < minimum for v in values):
-            what = "non-negative integers" if minimum == 0 else f"integers of at least {minimum}"
+        if not values or not all(valid(v) for v in values):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
         return values
 
     return parse
+
+
+def int_list(minimum: int = 0) -> Callable[[str], list[int]]:
+    """Comma-separated integers, each at least ``minimum``."""
+    what = "non-negative integers" if minimum == 0 else f"integers of at least {minimum}"
+    return _number_list(int, "integers", lambda v: v >= minimum, what)
+
+
+def fraction_list() -> Callable[[str], list[float]]:
+    """Comma-separated numbers, each in [0, 1]."""
+    return _number_list(float, "numbers", lambda v: 0.0 <= v <= 1.0, "fractions in [0, 1]")

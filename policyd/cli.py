@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 
 from policyd import cli_daemon, cli_history
-from policyd.arguments import int_list
+from policyd.arguments import fraction_list, int_list
 from policyd.bench import (
     BenchSpec,
     bench_json,
@@ -27,18 +27,7 @@ from policyd.traces import READERS, load_trace, render_stats, trace_stats
 from policyd.workloads import WORKLOADS, make_workload
 
 _ints = int_list()
-
-
-def _fractions(text: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers, got {text!r}"
-        ) from None
-    if not values or any(not 0.0 <= v <= 1.0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected fractions in [0, 1], got {text!r}")
-    return values
+_fractions = fraction_list()
 
 
 def _names(valid: Sequence[str], what: str) -> Callable[[str], list[str]]:
