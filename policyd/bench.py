@@ -12,9 +12,10 @@ import dataclasses
 import itertools
 import json
 import shlex
+import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from policyd.arguments import int_list
 from policyd.policies import POLICIES
 from policyd.sim.replay import SimConfig, simulate
 from policyd.sim.report import Report
@@ -274,6 +276,22 @@ def plot_sweep(reports: Sequence[Report], path: str, command: str) -> None:
 BASELINES = ("lru", "kvflow", "pbkv", "efficientagent")
 
 
+Point = tuple[str, int, int, int]  # workload, concurrency, GPU blocks, host blocks
+
+
+def _versus(reports: Sequence[Report], ours: str) -> Iterator[tuple[Point, Report, list[Report]]]:
+    """Per point, in order: the report of ``ours`` and the baselines' (points missing either
+    are left out)."""
+    by_point: dict[Point, list[Report]] = {}
+    for r in reports:
+        by_point.setdefault((r.workload, r.concurrency, r.gpu_blocks, r.host_blocks), []).append(r)
+    for point, here in by_point.items():
+        mine = next((r for r in here if r.policy == ours), None)
+        base = [r for r in here if r.policy in BASELINES]
+        if mine is not None and base:
+            yield point, mine, base
+
+
 def versus_best(reports: Sequence[Report], ours: str = "agentkv") -> Table:
     """Per point: ``ours`` against the best baseline by hit rate and by modelled makespan."""
     table = Table(title=f"{ours} vs the best baseline per point", title_justify="left")
@@ -290,17 +308,7 @@ def versus_best(reports: Sequence[Report], ours: str = "agentkv") -> Table:
         "speedup",
     ):
         table.add_column(column, justify="left" if column == "workload" else "right")
-    points = dict.fromkeys(
-        (r.workload, r.concurrency, r.gpu_blocks, r.host_blocks) for r in reports
-    )
-    for point in points:
-        here = [
-            r for r in reports if (r.workload, r.concurrency, r.gpu_blocks, r.host_blocks) == point
-        ]
-        mine = next((r for r in here if r.policy == ours), None)
-        base = [r for r in here if r.policy in BASELINES]
-        if mine is None or not base:
-            continue
+    for point, mine, base in _versus(reports, ours):
         best_hit = max(base, key=lambda r: r.hit_rate)
         best_time = min(base, key=lambda r: r.makespan_s)
         table.add_row(
@@ -318,6 +326,53 @@ def versus_best(reports: Sequence[Report], ours: str = "agentkv") -> Table:
     return table
 
 
+def across_seeds(by_seed: Mapping[int, Sequence[Report]], ours: str = "agentkv") -> Table:
+    """Per point, over the seeds (each a different generated workload): the mean hit rate of
+    ``ours`` against the baseline with the best mean (the one fixed policy a user would have
+    picked for this workload), and per seed against that seed's best baseline (the
+    hindsight choice): on how many seeds ``ours`` is at least as good, and its lowest ratio."""
+    table = Table(
+        title=f"{ours} vs the best baseline over {len(by_seed)} seeds "
+        f"({', '.join(map(str, by_seed))})",
+        title_justify="left",
+    )
+    for column in (
+        "workload",
+        "C",
+        "host blk",
+        f"{ours} hit mean",
+        "best baseline hit mean",
+        "ratio of means",
+        "seeds >= best",
+        "lowest seed ratio",
+    ):
+        table.add_column(column, justify="left" if column == "workload" else "right")
+    hits: dict[Point, dict[str, list[float]]] = {}
+    per_seed: dict[Point, list[float]] = {}
+    for reports in by_seed.values():
+        for point, mine, base in _versus(reports, ours):
+            for r in (mine, *base):
+                hits.setdefault(point, {}).setdefault(r.policy, []).append(r.hit_rate)
+            best = max(r.hit_rate for r in base)
+            per_seed.setdefault(point, []).append(mine.hit_rate / best if best else 1.0)
+    for point, by_policy in hits.items():
+        means = {policy: statistics.fmean(values) for policy, values in by_policy.items()}
+        mine_mean = means.pop(ours)
+        best_policy = max(means, key=means.__getitem__)
+        ratios = per_seed[point]
+        table.add_row(
+            point[0],
+            str(point[1]),
+            f"{point[3]:,}",
+            f"{mine_mean:.4f}",
+            f"{means[best_policy]:.4f} ({best_policy})",
+            f"{mine_mean / means[best_policy]:.4f}x" if means[best_policy] else "-",
+            f"{sum(ratio >= 1.0 for ratio in ratios)} of {len(ratios)}",
+            f"{min(ratios):.4f}x",
+        )
+    return table
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m policyd.bench``: ``policyd bench`` plus ``--streams`` (smaller generated
     workloads for a quick comparison) and the agentkv-vs-best-baseline table."""
@@ -330,7 +385,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--host-blocks", default="0,16384")
     p.add_argument("--streams", type=int, default=None, help="streams per generated workload")
     p.add_argument("--profile", default="h200-llama3.1-8b")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed",
+        type=int_list(),
+        default=[0],
+        help="comma-separated: every point is run once per seed (its own generated workloads); "
+        "with several, a table over the seeds follows",
+    )
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -338,24 +399,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     def ints(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x]
 
-    spec = BenchSpec(
-        workloads=[w for w in args.workload.split(",") if w],
-        policies=[x for x in args.policies.split(",") if x],
-        concurrency=ints(args.concurrency),
-        gpu_blocks=list(ints(args.gpu_blocks)),
-        host_blocks=list(ints(args.host_blocks)),
-        profile=args.profile,
-        seed=args.seed,
-        streams=args.streams,
-    )
-    console = Console()
+    seeds: list[int] = list(dict.fromkeys(args.seed))
+    specs = [
+        BenchSpec(
+            workloads=[w for w in args.workload.split(",") if w],
+            policies=[x for x in args.policies.split(",") if x],
+            concurrency=ints(args.concurrency),
+            gpu_blocks=list(ints(args.gpu_blocks)),
+            host_blocks=list(ints(args.host_blocks)),
+            profile=args.profile,
+            seed=seed,
+            streams=args.streams,
+        )
+        for seed in seeds
+    ]
+    console = Console(width=max(160, Console().width))  # (wide tables stay whole in a log)
     command = "python -m policyd.bench " + shlex.join(argv)
-    reports = run_bench(spec, show_progress=not args.no_progress)
-    console.print(render_table(reports, f"policies compared - profile {spec.profile}"))
-    console.print(versus_best(reports))
+    by_seed: dict[int, list[Report]] = {}
+    for spec in specs:
+        reports = by_seed[spec.seed] = run_bench(spec, show_progress=not args.no_progress)
+        title = f"policies compared - profile {spec.profile}"
+        console.print(
+            render_table(reports, title if len(specs) == 1 else f"{title}, seed {spec.seed}")
+        )
+        console.print(versus_best(reports))
+    if len(specs) > 1:
+        console.print(across_seeds(by_seed))
     console.print(f"reproduce: {command}")
     if args.json:
-        write_json(bench_json(reports, spec, command), args.json)
+        payload = bench_json([], specs[0], command)
+        payload["spec"]["seed"] = seeds[0] if len(seeds) == 1 else seeds
+        payload["results"] = [
+            {**r.to_json(), "seed": seed} for seed, reports in by_seed.items() for r in reports
+        ]
+        write_json(payload, args.json)
     return 0
 
 

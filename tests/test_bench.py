@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from rich.console import Console
 
-from policyd.bench import BenchSpec, run_bench
+from policyd.bench import BenchSpec, across_seeds, run_bench
+from policyd.bench import main as bench_main
 from policyd.cli import main
+from policyd.sim.report import Report
 from policyd.workloads import make_workload
 
 
@@ -72,3 +75,57 @@ def test_cli_json_names_the_command_that_reproduces_it(tmp_path, capsys):
     assert payload["command"] == "policyd " + " ".join(argv)
     assert {r["policy"] for r in payload["results"]} == {"lru", "belady"}
     assert "reproduce: policyd bench" in capsys.readouterr().out
+
+
+def _report(seed_hits: dict[str, float], workload: str = "code-writing") -> list[Report]:
+    return [
+        Report(
+            policy,
+            workload,
+            "h200-llama3.1-8b",
+            24,
+            8192,
+            0,
+            prompt_blocks=1000,
+            gpu_hit_blocks=round(hit * 1000),
+        )
+        for policy, hit in seed_hits.items()
+    ]
+
+
+def test_across_seeds_compares_mean_hit_rates_and_counts_the_seeds_won():
+    by_seed = {
+        0: _report({"lru": 0.30, "pbkv": 0.40, "agentkv": 0.38, "belady": 0.5}),
+        1: _report({"lru": 0.50, "pbkv": 0.30, "agentkv": 0.45, "belady": 0.6}),
+        2: _report({"lru": 0.40, "pbkv": 0.35, "agentkv": 0.42, "belady": 0.6}),
+    }
+    console = Console(width=200, record=True)
+    console.print(across_seeds(by_seed))
+    row = next(line for line in console.export_text().splitlines() if "code-writing" in line)
+    # means: lru 0.400, pbkv 0.350, agentkv 0.4167; per seed 0.95x, 0.90x, 1.05x
+    cells = [cell.strip() for cell in row.split("│") if cell.strip()]
+    assert cells[3:] == ["0.4167", "0.4000 (lru)", "1.0417x", "1 of 3", "0.9000x"]
+
+
+def test_python_m_bench_runs_every_seed_and_tags_the_json_rows(tmp_path, capsys):
+    out = tmp_path / "seeds.json"
+    argv = ["--workload", "code-writing", "--policies", "lru,agentkv", "--concurrency", "4"]
+    argv += ["--streams", "6", "--gpu-blocks", "3000", "--host-blocks", "0", "--seed", "0,1"]
+    assert bench_main([*argv, "--no-progress", "--json", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["spec"]["seed"] == [0, 1]
+    rows = [(r["seed"], r["policy"]) for r in payload["results"]]
+    assert rows == [(s, p) for s in (0, 1) for p in ("lru", "agentkv", "belady")]
+    # the seeds are different workloads, not one run repeated
+    assert len({r["prompt_blocks"] for r in payload["results"]}) == 2
+    text = capsys.readouterr().out
+    assert "agentkv vs the best baseline over 2 seeds (0, 1)" in text
+    assert "seed 1" in text
+
+
+def test_python_m_bench_refuses_bad_seeds(capsys):
+    for seed in ("-1", "zero", ""):
+        with pytest.raises(SystemExit) as exc:
+            bench_main(["--workload", "code-writing", "--concurrency", "4", "--seed", seed])
+        assert exc.value.code == 2
+    assert "expected" in capsys.readouterr().err
