@@ -326,11 +326,47 @@ def versus_best(reports: Sequence[Report], ours: str = "agentkv") -> Table:
     return table
 
 
+@dataclass(frozen=True, slots=True)
+class SeedSummary:
+    """One point over the seeds: the mean hit rate of ``ours``, the baseline with the best mean
+    (the one fixed policy a user would have picked for this workload) and that mean, and per
+    seed ``ours`` / that seed's best baseline (the hindsight choice)."""
+
+    mean: float
+    best_policy: str
+    best_mean: float
+    ratios: dict[int, float]
+
+    @property
+    def ratio(self) -> float:
+        return self.mean / self.best_mean if self.best_mean else float("nan")
+
+
+def seed_summaries(
+    by_seed: Mapping[int, Sequence[Report]], ours: str = "agentkv"
+) -> dict[Point, SeedSummary]:
+    """``SeedSummary`` per point of the runs ``by_seed`` (seed -> its reports)."""
+    hits: dict[Point, dict[str, list[float]]] = {}
+    ratios: dict[Point, dict[int, float]] = {}
+    for seed, reports in by_seed.items():
+        for point, mine, base in _versus(reports, ours):
+            for r in (mine, *base):
+                hits.setdefault(point, {}).setdefault(r.policy, []).append(r.hit_rate)
+            best = max(r.hit_rate for r in base)
+            ratios.setdefault(point, {})[seed] = mine.hit_rate / best if best else 1.0
+    out: dict[Point, SeedSummary] = {}
+    for point, by_policy in hits.items():
+        means = {policy: statistics.fmean(values) for policy, values in by_policy.items()}
+        mean = means.pop(ours)
+        best_policy = max(means, key=means.__getitem__)
+        out[point] = SeedSummary(mean, best_policy, means[best_policy], ratios[point])
+    return out
+
+
 def across_seeds(by_seed: Mapping[int, Sequence[Report]], ours: str = "agentkv") -> Table:
-    """Per point, over the seeds (each a different generated workload): the mean hit rate of
-    ``ours`` against the baseline with the best mean (the one fixed policy a user would have
-    picked for this workload), and per seed against that seed's best baseline (the
-    hindsight choice): on how many seeds ``ours`` is at least as good, and its lowest ratio."""
+    """Per point, over the seeds (each a different generated workload): ``ours``' mean hit rate
+    against the baseline with the best mean, and per seed against that seed's best baseline:
+    on how many seeds ``ours`` is at least as good, and its lowest ratio (``SeedSummary``)."""
     table = Table(
         title=f"{ours} vs the best baseline over {len(by_seed)} seeds "
         f"({', '.join(map(str, by_seed))})",
@@ -347,30 +383,47 @@ def across_seeds(by_seed: Mapping[int, Sequence[Report]], ours: str = "agentkv")
         "lowest seed ratio",
     ):
         table.add_column(column, justify="left" if column == "workload" else "right")
-    hits: dict[Point, dict[str, list[float]]] = {}
-    per_seed: dict[Point, list[float]] = {}
-    for reports in by_seed.values():
-        for point, mine, base in _versus(reports, ours):
-            for r in (mine, *base):
-                hits.setdefault(point, {}).setdefault(r.policy, []).append(r.hit_rate)
-            best = max(r.hit_rate for r in base)
-            per_seed.setdefault(point, []).append(mine.hit_rate / best if best else 1.0)
-    for point, by_policy in hits.items():
-        means = {policy: statistics.fmean(values) for policy, values in by_policy.items()}
-        mine_mean = means.pop(ours)
-        best_policy = max(means, key=means.__getitem__)
-        ratios = per_seed[point]
+    for point, summary in seed_summaries(by_seed, ours).items():
+        ratios = summary.ratios.values()
         table.add_row(
             point[0],
             str(point[1]),
             f"{point[3]:,}",
-            f"{mine_mean:.4f}",
-            f"{means[best_policy]:.4f} ({best_policy})",
-            f"{mine_mean / means[best_policy]:.4f}x" if means[best_policy] else "-",
+            f"{summary.mean:.4f}",
+            f"{summary.best_mean:.4f} ({summary.best_policy})",
+            f"{summary.ratio:.4f}x",
             f"{sum(ratio >= 1.0 for ratio in ratios)} of {len(ratios)}",
             f"{min(ratios):.4f}x",
         )
     return table
+
+
+def plot_versus(by_seed: Mapping[int, Sequence[Report]], path: str, command: str) -> None:
+    """agentkv / the best baseline's hit rate per point: one marker per seed (against that
+    seed's best) and a bar for the seed means (against the baseline with the best mean)."""
+    summaries = seed_summaries(by_seed)
+    points = list(summaries)
+    fig = Figure(figsize=(max(6.0, 1.1 * len(points) + 2), 4.2))
+    ax = fig.subplots()
+    xs = range(len(points))
+    ax.bar(
+        xs,
+        [summaries[p].ratio - 1.0 for p in points],
+        bottom=1.0,
+        color="#cfd8e3",
+        label="seed means (vs the best mean)",
+    )
+    for seed in by_seed:
+        ys = [summaries[p].ratios.get(seed, float("nan")) for p in points]
+        ax.plot(xs, ys, "o", label=f"seed {seed}")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(list(xs), [f"{w}\nC={c}, host {h:,}" for w, c, _, h in points], fontsize=7)
+    ax.set_ylabel("agentkv hit rate / best baseline's")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.suptitle(command, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -393,6 +446,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "with several, a table over the seeds follows",
     )
     p.add_argument("--json", metavar="PATH")
+    p.add_argument(
+        "--plot", metavar="PNG", help="agentkv / best baseline per point and seed, as a chart"
+    )
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
 
@@ -426,6 +482,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(specs) > 1:
         console.print(across_seeds(by_seed))
     console.print(f"reproduce: {command}")
+    if args.plot:
+        plot_versus(by_seed, args.plot, command)
+        console.print(f"plot: {args.plot}")
     if args.json:
         payload = bench_json([], specs[0], command)
         payload["spec"]["seed"] = seeds[0] if len(seeds) == 1 else seeds

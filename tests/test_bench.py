@@ -111,7 +111,9 @@ def test_python_m_bench_runs_every_seed_and_tags_the_json_rows(tmp_path, capsys)
     out = tmp_path / "seeds.json"
     argv = ["--workload", "code-writing", "--policies", "lru,agentkv", "--concurrency", "4"]
     argv += ["--streams", "6", "--gpu-blocks", "3000", "--host-blocks", "0", "--seed", "0,1"]
-    assert bench_main([*argv, "--no-progress", "--json", str(out)]) == 0
+    png = tmp_path / "seeds.png"
+    assert bench_main([*argv, "--no-progress", "--json", str(out), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     payload = json.loads(out.read_text())
     assert payload["spec"]["seed"] == [0, 1]
     rows = [(r["seed"], r["policy"]) for r in payload["results"]]
