@@ -14,6 +14,7 @@ import json
 import shlex
 import statistics
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -421,7 +422,8 @@ def plot_versus(by_seed: Mapping[int, Sequence[Report]], path: str, command: str
     ax.set_ylabel("agentkv hit rate / best baseline's")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7)
-    fig.suptitle(command, fontsize=7)
+    width = fig.get_figwidth()
+    fig.suptitle("\n".join(textwrap.wrap(command, int(width * 16))), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
