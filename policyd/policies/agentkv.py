@@ -18,7 +18,7 @@ their sum the host tier), and a host-tier write filter that generalises Efficien
   ``min_accuracy``) only ``steps`` is published, never worse than recency on an unknown graph.
 * Host tier eviction: its own order, published as the snapshot's ``host_scores``: the sum of
   the two rankings (``host_ranking``), retired blocks first, and a block already in the tier
-  raised by ``host_residency_bonus`` (x1.1) over a newcomer of about the same value. Why not
+  raised by ``host_residency_bonus`` (x1.2) over a newcomer of about the same value. Why not
   the GPU's order: a host copy is used only after the GPU dropped the block, and the GPU
   keeps what its order ranks highest, so under the same order the tier mostly duplicates the
   GPU (code-writing, 4,096 host blocks: 113 host hits when the host followed the referee's
@@ -101,7 +101,7 @@ class AgentKV(PBKV):
         referee_window: int = 256,
         referee_min_samples: int = 32,
         host_ranking: str = "both",
-        host_residency_bonus: float = 0.1,
+        host_residency_bonus: float = 0.2,
     ) -> None:
         super().__init__(
             k=k,
@@ -189,7 +189,7 @@ class AgentKV(PBKV):
     ) -> list[ScoredBlocks]:
         """``groups`` with their host-resident blocks' scores raised by the factor
         ``1 + host_residency_bonus``: a copy already in the tier keeps its place against a
-        newcomer of about the same value (relative: values more than 10% apart keep their order).
+        newcomer of about the same value (relative: values more than 20% apart keep their order).
         Why: when more prompts of equal value cycle through the tier than it holds, replacing
         equals by equals only churns (each copy is evicted just before its reuse, LRU's
         thrash); a stable set is reused every round - what Belady and a write filter get by
