@@ -435,9 +435,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m policyd.bench", description=main.__doc__)
     p.add_argument("--workload", required=True, help="comma-separated names or trace paths")
     p.add_argument("--policies", default=",".join((*BASELINES, "agentkv")))
-    p.add_argument("--concurrency", required=True, help="comma-separated")
-    p.add_argument("--gpu-blocks", default="16384")
-    p.add_argument("--host-blocks", default="0,16384")
+    p.add_argument("--concurrency", type=int_list(1), required=True, help="comma-separated")
+    p.add_argument("--gpu-blocks", type=int_list(), default="16384")
+    p.add_argument("--host-blocks", type=int_list(), default="0,16384")
     p.add_argument("--streams", type=int, default=None, help="streams per generated workload")
     p.add_argument("--profile", default="h200-llama3.1-8b")
     p.add_argument(
@@ -454,17 +454,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
 
-    def ints(text: str) -> list[int]:
-        return [int(x) for x in text.split(",") if x]
-
     seeds: list[int] = list(dict.fromkeys(args.seed))
     specs = [
         BenchSpec(
             workloads=[w for w in args.workload.split(",") if w],
             policies=[x for x in args.policies.split(",") if x],
-            concurrency=ints(args.concurrency),
-            gpu_blocks=list(ints(args.gpu_blocks)),
-            host_blocks=list(ints(args.host_blocks)),
+            concurrency=args.concurrency,
+            gpu_blocks=args.gpu_blocks,
+            host_blocks=args.host_blocks,
             profile=args.profile,
             seed=seed,
             streams=args.streams,

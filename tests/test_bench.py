@@ -131,3 +131,9 @@ def test_python_m_bench_refuses_bad_seeds(capsys):
             bench_main(["--workload", "code-writing", "--concurrency", "4", "--seed", seed])
         assert exc.value.code == 2
     assert "expected" in capsys.readouterr().err
+    for option, value in (("--concurrency", "0"), ("--gpu-blocks", "x"), ("--host-blocks", "-1")):
+        argv = ["--workload", "code-writing", "--concurrency", "4", option, value]
+        with pytest.raises(SystemExit) as exc:
+            bench_main(argv)
+        assert exc.value.code == 2
+    assert "expected" in capsys.readouterr().err
