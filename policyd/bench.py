@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import math
 import shlex
 import statistics
 import sys
@@ -24,6 +25,7 @@ from matplotlib.figure import Figure
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from scipy import stats
 
 from policyd.arguments import int_list
 from policyd.policies import POLICIES
@@ -330,44 +332,67 @@ def versus_best(reports: Sequence[Report], ours: str = "agentkv") -> Table:
 @dataclass(frozen=True, slots=True)
 class SeedSummary:
     """One point over the seeds: the mean hit rate of ``ours``, the baseline with the best mean
-    (the one fixed policy a user would have picked for this workload) and that mean, and per
-    seed ``ours`` / that seed's best baseline (the hindsight choice)."""
+    (the one fixed policy a user would have picked for this workload) and that mean, per seed
+    ``ours`` / that seed's best baseline (the hindsight choice), and per seed ``ours`` / the
+    best-mean baseline on that seed (``paired``: the same workload, so the seed's own
+    difficulty cancels)."""
 
     mean: float
     best_policy: str
     best_mean: float
     ratios: dict[int, float]
+    paired: dict[int, float] = dataclasses.field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
         return self.mean / self.best_mean if self.best_mean else float("nan")
+
+    def interval(self, confidence: float = 0.95) -> tuple[float, float, float] | None:
+        """The mean of the ``paired`` ratios and its Student-t confidence interval over the
+        seeds, (mean, low, high); None with fewer than two seeds. An interval wholly below 1
+        says ``ours`` is behind that baseline beyond the seed-to-seed spread, wholly above 1
+        ahead of it; one containing 1 cannot tell them apart on these seeds."""
+        values = list(self.paired.values())
+        if len(values) < 2:
+            return None
+        mean = statistics.fmean(values)
+        half = stats.t.ppf(0.5 + confidence / 2, len(values) - 1) * statistics.stdev(values)
+        half /= math.sqrt(len(values))
+        return mean, mean - half, mean + half
 
 
 def seed_summaries(
     by_seed: Mapping[int, Sequence[Report]], ours: str = "agentkv"
 ) -> dict[Point, SeedSummary]:
     """``SeedSummary`` per point of the runs ``by_seed`` (seed -> its reports)."""
-    hits: dict[Point, dict[str, list[float]]] = {}
+    hits: dict[Point, dict[str, dict[int, float]]] = {}
     ratios: dict[Point, dict[int, float]] = {}
     for seed, reports in by_seed.items():
         for point, mine, base in _versus(reports, ours):
             for r in (mine, *base):
-                hits.setdefault(point, {}).setdefault(r.policy, []).append(r.hit_rate)
+                hits.setdefault(point, {}).setdefault(r.policy, {})[seed] = r.hit_rate
             best = max(r.hit_rate for r in base)
             ratios.setdefault(point, {})[seed] = mine.hit_rate / best if best else 1.0
     out: dict[Point, SeedSummary] = {}
     for point, by_policy in hits.items():
-        means = {policy: statistics.fmean(values) for policy, values in by_policy.items()}
+        means = {policy: statistics.fmean(by.values()) for policy, by in by_policy.items()}
         mean = means.pop(ours)
         best_policy = max(means, key=means.__getitem__)
-        out[point] = SeedSummary(mean, best_policy, means[best_policy], ratios[point])
+        own, theirs = by_policy[ours], by_policy[best_policy]
+        paired = {
+            seed: own[seed] / theirs[seed] if theirs[seed] else 1.0
+            for seed in own
+            if seed in theirs
+        }
+        out[point] = SeedSummary(mean, best_policy, means[best_policy], ratios[point], paired)
     return out
 
 
 def across_seeds(by_seed: Mapping[int, Sequence[Report]], ours: str = "agentkv") -> Table:
     """Per point, over the seeds (each a different generated workload): ``ours``' mean hit rate
     against the baseline with the best mean, and per seed against that seed's best baseline:
-    on how many seeds ``ours`` is at least as good, and its lowest ratio (``SeedSummary``)."""
+    on how many seeds ``ours`` is at least as good, and its lowest ratio; and the paired ratio
+    to the best-mean baseline seed by seed, with its 95% interval (``SeedSummary``)."""
     table = Table(
         title=f"{ours} vs the best baseline over {len(by_seed)} seeds "
         f"({', '.join(map(str, by_seed))})",
@@ -380,6 +405,7 @@ def across_seeds(by_seed: Mapping[int, Sequence[Report]], ours: str = "agentkv")
         f"{ours} hit mean",
         "best baseline hit mean",
         "ratio of means",
+        "paired ratio (95% CI)",
         "seeds >= best",
         "lowest seed ratio",
     ):
@@ -393,15 +419,24 @@ def across_seeds(by_seed: Mapping[int, Sequence[Report]], ours: str = "agentkv")
             f"{summary.mean:.4f}",
             f"{summary.best_mean:.4f} ({summary.best_policy})",
             f"{summary.ratio:.4f}x",
+            _interval_cell(summary.interval()),
             f"{sum(ratio >= 1.0 for ratio in ratios)} of {len(ratios)}",
             f"{min(ratios):.4f}x",
         )
     return table
 
 
+def _interval_cell(interval: tuple[float, float, float] | None) -> str:
+    if interval is None:
+        return "-"
+    mean, low, high = interval
+    return f"{mean:.4f}x ({low:.3f}-{high:.3f})"
+
+
 def plot_versus(by_seed: Mapping[int, Sequence[Report]], path: str, command: str) -> None:
     """agentkv / the best baseline's hit rate per point: one marker per seed (against that
-    seed's best) and a bar for the seed means (against the baseline with the best mean)."""
+    seed's best), a bar for the seed means (against the baseline with the best mean) and, with
+    two seeds or more, the paired ratio to that baseline with its 95% interval."""
     summaries = seed_summaries(by_seed)
     points = list(summaries)
     fig = Figure(figsize=(max(6.0, 1.1 * len(points) + 2), 4.2))
@@ -417,6 +452,18 @@ def plot_versus(by_seed: Mapping[int, Sequence[Report]], path: str, command: str
     for seed in by_seed:
         ys = [summaries[p].ratios.get(seed, float("nan")) for p in points]
         ax.plot(xs, ys, "o", label=f"seed {seed}")
+    intervals = [(x, summaries[p].interval()) for x, p in zip(xs, points, strict=True)]
+    shown = [(x, i) for x, i in intervals if i is not None]
+    if shown:
+        ax.errorbar(
+            [x for x, _ in shown],
+            [i[0] for _, i in shown],
+            yerr=[[i[0] - i[1] for _, i in shown], [i[2] - i[0] for _, i in shown]],
+            fmt="_",
+            color="black",
+            capsize=4,
+            label="paired ratio to the best mean, 95% CI",
+        )
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(list(xs), [f"{w}\nC={c}, host {h:,}" for w, c, _, h in points], fontsize=7)
     ax.set_ylabel("agentkv hit rate / best baseline's")
@@ -428,14 +475,57 @@ def plot_versus(by_seed: Mapping[int, Sequence[Report]], path: str, command: str
     fig.savefig(path, dpi=110)
 
 
+def reports_from_json(path: str) -> tuple[dict[int, list[Report]], str]:
+    """The reports of a stored ``--json`` run by seed, and the command that made it.
+
+    Rows without a seed (a single-seed run) take the spec's. Raises ``ValueError`` naming
+    ``path`` for a file that is not such a run."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            payload = json.load(f)
+        rows = payload["results"]
+        spec_seed = payload.get("spec", {}).get("seed", 0)
+        default_seed = spec_seed if isinstance(spec_seed, int) else 0
+        fields = {f.name for f in dataclasses.fields(Report)}
+        by_seed: dict[int, list[Report]] = {}
+        for row in rows:
+            report = Report(**{k: v for k, v in row.items() if k in fields})
+            by_seed.setdefault(int(row.get("seed", default_seed)), []).append(report)
+        command = str(payload.get("command", ""))
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror})") from e
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: not a bench JSON (--json output): {e!r:.120}") from e
+    if not by_seed:
+        raise ValueError(f"{path}: no results in it")
+    return by_seed, command
+
+
+def _print_runs(
+    console: Console, by_seed: Mapping[int, Sequence[Report]], profile: str, command: str
+) -> None:
+    """Per seed the policies' table and agentkv against the best baseline; over several seeds
+    the table across them; then the command that reproduces it all."""
+    title = f"policies compared - profile {profile}"
+    for seed, reports in by_seed.items():
+        console.print(
+            render_table(reports, title if len(by_seed) == 1 else f"{title}, seed {seed}")
+        )
+        console.print(versus_best(reports))
+    if len(by_seed) > 1:
+        console.print(across_seeds(by_seed))
+    console.print(f"reproduce: {command}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m policyd.bench``: ``policyd bench`` plus ``--streams`` (smaller generated
-    workloads for a quick comparison) and the agentkv-vs-best-baseline table."""
+    workloads for a quick comparison) and the agentkv-vs-best-baseline table; or, with
+    ``--from-json``, the tables (and ``--plot``) of a stored run, without running it again."""
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m policyd.bench", description=main.__doc__)
-    p.add_argument("--workload", required=True, help="comma-separated names or trace paths")
+    p.add_argument("--workload", help="comma-separated names or trace paths (required to run)")
     p.add_argument("--policies", default=",".join((*BASELINES, "agentkv")))
-    p.add_argument("--concurrency", type=int_list(1), required=True, help="comma-separated")
+    p.add_argument("--concurrency", type=int_list(1), help="comma-separated (required to run)")
     p.add_argument("--gpu-blocks", type=int_list(), default="16384")
     p.add_argument("--host-blocks", type=int_list(), default="0,16384")
     p.add_argument("--streams", type=int, default=None, help="streams per generated workload")
@@ -451,8 +541,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--plot", metavar="PNG", help="agentkv / best baseline per point and seed, as a chart"
     )
+    p.add_argument(
+        "--from-json",
+        metavar="PATH",
+        help="print the tables of a run stored with --json instead of running (and --plot it)",
+    )
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    console = Console(width=max(160, Console().width))  # (wide tables stay whole in a log)
+
+    if args.from_json:
+        if args.json or args.workload or args.concurrency:
+            p.error(
+                "--from-json re-reads a stored run: it takes no --json, --workload, --concurrency"
+            )
+        try:
+            by_seed, command = reports_from_json(args.from_json)
+        except ValueError as e:
+            p.error(str(e))
+        profile = next(iter(by_seed.values()))[0].profile
+        _print_runs(console, by_seed, profile, command)
+        if args.plot:
+            plot_versus(by_seed, args.plot, command)
+            console.print(f"plot: {args.plot}")
+        return 0
+    if not args.workload or not args.concurrency:
+        p.error("--workload and --concurrency are required (or --from-json)")
 
     seeds: list[int] = list(dict.fromkeys(args.seed))
     specs = [
@@ -468,19 +582,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         for seed in seeds
     ]
-    console = Console(width=max(160, Console().width))  # (wide tables stay whole in a log)
     command = "python -m policyd.bench " + shlex.join(argv)
-    by_seed: dict[int, list[Report]] = {}
-    for spec in specs:
-        reports = by_seed[spec.seed] = run_bench(spec, show_progress=not args.no_progress)
-        title = f"policies compared - profile {spec.profile}"
-        console.print(
-            render_table(reports, title if len(specs) == 1 else f"{title}, seed {spec.seed}")
-        )
-        console.print(versus_best(reports))
-    if len(specs) > 1:
-        console.print(across_seeds(by_seed))
-    console.print(f"reproduce: {command}")
+    by_seed = {spec.seed: run_bench(spec, show_progress=not args.no_progress) for spec in specs}
+    _print_runs(console, by_seed, args.profile, command)
     if args.plot:
         plot_versus(by_seed, args.plot, command)
         console.print(f"plot: {args.plot}")

@@ -7,7 +7,7 @@ import json
 import pytest
 from rich.console import Console
 
-from policyd.bench import BenchSpec, across_seeds, run_bench
+from policyd.bench import BenchSpec, across_seeds, run_bench, seed_summaries
 from policyd.bench import main as bench_main
 from policyd.cli import main
 from policyd.sim.report import Report
@@ -102,9 +102,46 @@ def test_across_seeds_compares_mean_hit_rates_and_counts_the_seeds_won():
     console = Console(width=200, record=True)
     console.print(across_seeds(by_seed))
     row = next(line for line in console.export_text().splitlines() if "code-writing" in line)
-    # means: lru 0.400, pbkv 0.350, agentkv 0.4167; per seed 0.95x, 0.90x, 1.05x
+    # means: lru 0.400, pbkv 0.350, agentkv 0.4167; per seed 0.95x, 0.90x, 1.05x against that
+    # seed's best; against lru on every seed 1.2667x, 0.9x, 1.05x: mean 1.0722, sd 0.1844,
+    # t(0.975, 2 df) = 4.3027, half-width 4.3027 x 0.1844 / sqrt(3) = 0.4580
     cells = [cell.strip() for cell in row.split("│") if cell.strip()]
-    assert cells[3:] == ["0.4167", "0.4000 (lru)", "1.0417x", "1 of 3", "0.9000x"]
+    assert cells[3:] == [
+        "0.4167",
+        "0.4000 (lru)",
+        "1.0417x",
+        "1.0722x (0.614-1.530)",
+        "1 of 3",
+        "0.9000x",
+    ]
+
+
+def test_the_paired_interval_tells_a_consistent_shortfall_from_the_seed_spread():
+    # agentkv 2% behind pbkv on every seed, while the seeds' hit rates differ by up to 2x
+    scales = (1.0, 1.5, 2.0, 1.2)
+    steady = {
+        seed: _report({"lru": 0.1 * scale, "pbkv": 0.2 * scale, "agentkv": 0.196 * scale})
+        for seed, scale in enumerate(scales)
+    }
+    # the same shortfall on average, but won or lost by 6-8% from seed to seed
+    swinging = {
+        seed: _report({"lru": 0.1 * scale, "pbkv": 0.2 * scale, "agentkv": factor * scale})
+        for seed, (scale, factor) in enumerate(
+            zip(scales, (0.212, 0.18, 0.214, 0.178), strict=True)
+        )
+    }
+    point = ("code-writing", 24, 8192, 0)
+    steady_summary = seed_summaries(steady)[point]
+    assert steady_summary.best_policy == "pbkv"
+    interval = steady_summary.interval()
+    assert interval is not None
+    assert interval[0] == pytest.approx(0.98, abs=2e-3)  # (hit counts are whole blocks)
+    assert interval[2] < 1.0  # behind beyond the spread between seeds
+    interval = seed_summaries(swinging)[point].interval()
+    assert interval is not None
+    assert interval[0] == pytest.approx(0.98, abs=2e-3)
+    assert interval[1] < 1.0 < interval[2]  # cannot tell
+    assert seed_summaries({0: steady[0]})[point].interval() is None  # one seed: no interval
 
 
 def test_python_m_bench_runs_every_seed_and_tags_the_json_rows(tmp_path, capsys):
@@ -123,6 +160,50 @@ def test_python_m_bench_runs_every_seed_and_tags_the_json_rows(tmp_path, capsys)
     text = capsys.readouterr().out
     assert "agentkv vs the best baseline over 2 seeds (0, 1)" in text
     assert "seed 1" in text
+
+
+def test_python_m_bench_reprints_a_stored_run_from_its_json(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    argv = ["--workload", "code-writing", "--policies", "lru,agentkv", "--concurrency", "4"]
+    argv += ["--streams", "6", "--gpu-blocks", "3000", "--host-blocks", "0", "--seed", "0,1"]
+    assert bench_main([*argv, "--no-progress", "--json", str(out)]) == 0
+    ran = capsys.readouterr().out
+    png = tmp_path / "again.png"
+    assert bench_main(["--from-json", str(out), "--plot", str(png)]) == 0
+    again = capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # the same tables and the same reproducing command, read back instead of run again
+    # (the run's own wall-clock column aside)
+    def tables(text: str) -> list[str]:
+        return [line for line in text.splitlines() if "vs the best baseline" in line or "│" in line]
+
+    def hits(text: str) -> list[str]:
+        return [line.split("│")[1:5] for line in tables(text) if "code-writing" in line]
+
+    assert hits(again) == hits(ran) and hits(ran)
+    assert [line for line in again.splitlines() if line.startswith("reproduce:")] == [
+        line for line in ran.splitlines() if line.startswith("reproduce:")
+    ]
+    assert "over 2 seeds (0, 1)" in again
+
+
+def test_python_m_bench_from_json_refuses_what_is_not_a_stored_run(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    for content in ("{not json", '{"results": [{"policy": "lru"}]}', '{"results": []}', "[]"):
+        bad.write_text(content)
+        with pytest.raises(SystemExit) as exc:
+            bench_main(["--from-json", str(bad)])
+        assert exc.value.code == 2
+        assert str(bad) in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        bench_main(["--from-json", str(tmp_path / "missing.json")])
+    assert exc.value.code == 2
+    assert "cannot read it" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # neither a stored run nor a run to make
+        bench_main(["--seed", "0"])
+    assert exc.value.code == 2
+    assert "--workload and --concurrency are required" in capsys.readouterr().err
 
 
 def test_python_m_bench_refuses_bad_seeds(capsys):
