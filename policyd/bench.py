@@ -439,7 +439,7 @@ def plot_versus(by_seed: Mapping[int, Sequence[Report]], path: str, command: str
     two seeds or more, the paired ratio to that baseline with its 95% interval."""
     summaries = seed_summaries(by_seed)
     points = list(summaries)
-    fig = Figure(figsize=(max(6.0, 1.1 * len(points) + 2), 4.2))
+    fig = Figure(figsize=(max(6.0, 1.1 * len(points) + 2) + 2.0, 4.2))
     ax = fig.subplots()
     xs = range(len(points))
     ax.bar(
@@ -468,7 +468,7 @@ def plot_versus(by_seed: Mapping[int, Sequence[Report]], path: str, command: str
     ax.set_xticks(list(xs), [f"{w}\nC={c}, host {h:,}" for w, c, _, h in points], fontsize=7)
     ax.set_ylabel("agentkv hit rate / best baseline's")
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the data
     width = fig.get_figwidth()
     fig.suptitle("\n".join(textwrap.wrap(command, int(width * 16))), fontsize=7)
     fig.tight_layout()
