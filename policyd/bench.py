@@ -341,7 +341,7 @@ class SeedSummary:
     best_policy: str
     best_mean: float
     ratios: dict[int, float]
-    paired: dict[int, float] = dataclasses.field(default_factory=dict)
+    paired: dict[int, float]
 
     @property
     def ratio(self) -> float:
@@ -501,20 +501,15 @@ def reports_from_json(path: str) -> tuple[dict[int, list[Report]], str]:
     return by_seed, command
 
 
-def _print_runs(
-    console: Console, by_seed: Mapping[int, Sequence[Report]], profile: str, command: str
-) -> None:
-    """Per seed the policies' table and agentkv against the best baseline; over several seeds
-    the table across them; then the command that reproduces it all."""
+def _print_seed(console: Console, reports: Sequence[Report], title: str) -> None:
+    """One seed's runs: the policies' table and agentkv against the best baseline."""
+    console.print(render_table(reports, title))
+    console.print(versus_best(reports))
+
+
+def _title(profile: str, seed: int, seeds: int) -> str:
     title = f"policies compared - profile {profile}"
-    for seed, reports in by_seed.items():
-        console.print(
-            render_table(reports, title if len(by_seed) == 1 else f"{title}, seed {seed}")
-        )
-        console.print(versus_best(reports))
-    if len(by_seed) > 1:
-        console.print(across_seeds(by_seed))
-    console.print(f"reproduce: {command}")
+    return title if seeds == 1 else f"{title}, seed {seed}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -549,7 +544,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     console = Console(width=max(160, Console().width))  # (wide tables stay whole in a log)
-
+    by_seed: dict[int, list[Report]] = {}
     if args.from_json:
         if args.json or args.workload or args.concurrency:
             p.error(
@@ -560,31 +555,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as e:
             p.error(str(e))
         profile = next(iter(by_seed.values()))[0].profile
-        _print_runs(console, by_seed, profile, command)
-        if args.plot:
-            plot_versus(by_seed, args.plot, command)
-            console.print(f"plot: {args.plot}")
-        return 0
-    if not args.workload or not args.concurrency:
-        p.error("--workload and --concurrency are required (or --from-json)")
-
-    seeds: list[int] = list(dict.fromkeys(args.seed))
-    specs = [
-        BenchSpec(
-            workloads=[w for w in args.workload.split(",") if w],
-            policies=[x for x in args.policies.split(",") if x],
-            concurrency=args.concurrency,
-            gpu_blocks=args.gpu_blocks,
-            host_blocks=args.host_blocks,
-            profile=args.profile,
-            seed=seed,
-            streams=args.streams,
-        )
-        for seed in seeds
-    ]
-    command = "python -m policyd.bench " + shlex.join(argv)
-    by_seed = {spec.seed: run_bench(spec, show_progress=not args.no_progress) for spec in specs}
-    _print_runs(console, by_seed, args.profile, command)
+        for seed, reports in by_seed.items():
+            _print_seed(console, reports, _title(profile, seed, len(by_seed)))
+    else:
+        if not args.workload or not args.concurrency:
+            p.error("--workload and --concurrency are required (or --from-json)")
+        seeds: list[int] = list(dict.fromkeys(args.seed))
+        specs = [
+            BenchSpec(
+                workloads=[w for w in args.workload.split(",") if w],
+                policies=[x for x in args.policies.split(",") if x],
+                concurrency=args.concurrency,
+                gpu_blocks=args.gpu_blocks,
+                host_blocks=args.host_blocks,
+                profile=args.profile,
+                seed=seed,
+                streams=args.streams,
+            )
+            for seed in seeds
+        ]
+        command = "python -m policyd.bench " + shlex.join(argv)
+        for spec in specs:  # (each seed's tables as soon as it has run)
+            reports = by_seed[spec.seed] = run_bench(spec, show_progress=not args.no_progress)
+            _print_seed(console, reports, _title(spec.profile, spec.seed, len(specs)))
+    if len(by_seed) > 1:
+        console.print(across_seeds(by_seed))
+    console.print(f"reproduce: {command}")
     if args.plot:
         plot_versus(by_seed, args.plot, command)
         console.print(f"plot: {args.plot}")
