@@ -21,7 +21,7 @@ from policyd.types import (
     ScoredBlocks,
 )
 from policyd.workloads import make_workload
-from tests.test_agentkv import finish, start, trained
+from tests.test_agentkv import finish, press, start, trained
 
 
 def _scores(groups: tuple[ScoredBlocks, ...] | None) -> dict[int, float]:
@@ -33,23 +33,45 @@ def _scores(groups: tuple[ScoredBlocks, ...] | None) -> dict[int, float]:
     return out
 
 
-def test_the_host_order_raises_resident_copies_and_keeps_retired_blocks_lowest() -> None:
-    """Scenario: a live workflow whose planner prompt is half in the host tier, and a finished
-    workflow whose private blocks are retired. The host order gives the resident half 1.2x
-    the score of the other half; retired blocks are lowest in both orders."""
-    engine, policy, clock = trained()
+def _resident_half(host_blocks: int, pressed: bool) -> tuple[AgentKV, PolicySnapshot]:
+    """Scenario: a live workflow whose planner prompt is half (9001) in the host tier, and
+    finished workflows whose private blocks are retired; the tier full and evicting or not
+    (EfficientAgent's pressure: occupancy 1, a capacity eviction now, a working set above the
+    tier)."""
+    engine, policy, clock = trained(host_blocks=host_blocks, shards_rate=1.0)
+    if pressed:
+        press(engine, clock, host_blocks)
     blocks = start(engine, clock, "live.0", "live", agent="planner", private=(9001, 9002))
     finish(engine, clock, "live.0", blocks)
     engine.apply_event(
         BlocksStored(ts=clock.now, tier="host", block_hashes=(9001,), request_id="live.0")
     )
-    snap = engine.snapshot()
+    return policy, engine.snapshot()
+
+
+def test_under_pressure_the_host_order_raises_resident_copies_and_keeps_retired_lowest() -> None:
+    """A thrashing tier: the resident half scores 1.2x the other half; retired blocks are
+    lowest in both orders."""
+    policy, snap = _resident_half(4, pressed=True)  # (the working set: 7 blocks)
+    assert snap.write_filter is not None and snap.write_filter.pressure
     host = _scores(snap.host_scores)
     assert host[9002] > 0 and host[9001] == pytest.approx(host[9002] * 1.2)
     gpu = _scores(snap.scores)
     assert gpu[9001] == gpu[9002]  # residency plays no part on the GPU
     retired = set(policy.retired)
     assert retired and all(host[b] == gpu[b] == RETIRED_SCORE for b in retired)
+
+
+def test_without_pressure_a_resident_copy_gets_no_bonus() -> None:
+    """A tier that is not thrashing (here: room left, nothing evicted) keeps its copies by
+    value alone: a stale resident copy must not outrank a newcomer of the same value (on the
+    SWE-bench pool at the recommended size the bonus cost 24% more recomputed tokens)."""
+    policy, snap = _resident_half(100, pressed=False)
+    assert snap.write_filter is not None and not snap.write_filter.pressure
+    host = _scores(snap.host_scores)
+    assert host[9002] > 0 and host[9001] == host[9002]
+    retired = set(policy.retired)
+    assert retired and all(host[b] == RETIRED_SCORE for b in retired)
 
 
 def test_without_the_bonus_and_with_the_same_ranking_both_orders_agree() -> None:
