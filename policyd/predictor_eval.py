@@ -42,7 +42,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from policyd.arguments import int_list
+from policyd.arguments import fraction_list, int_list
 from policyd.predictor import END, START, Predictor
 from policyd.traces.whowhen import whowhen_workload
 from policyd.workload import Call, Workload
@@ -361,27 +361,36 @@ def cost_table(results: Sequence[Result]) -> Table:
 
 
 def predictor_variants(
-    beams: Sequence[int] | None, refreshes: Sequence[int] | None
+    beams: Sequence[int] | None,
+    refreshes: Sequence[int] | None,
+    alias_shares: Sequence[float] | None = None,
 ) -> list[tuple[str, dict[str, Any]]]:
     """(label, Predictor options) for every combination of the values given; the label names
-    only the options given (empty when nothing is varied).
+    only the options given (empty when nothing is varied). An alias share of 0 is "never".
 
     >>> predictor_variants(None, [16, 64])
     [('refresh=16', {'refresh': 16}), ('refresh=64', {'refresh': 64})]
+    >>> predictor_variants(None, None, [0.5, 0.0])
+    [('alias_share=0.5', {'alias_share': 0.5}), ('alias_share=never', {'alias_share': None})]
     >>> predictor_variants(None, None)
     [('', {})]
     """
     variants: list[tuple[str, dict[str, Any]]] = []
-    unset: list[int | None] = [None]
+    unset: list[Any] = [None]
     for beam in beams or unset:
         for refresh in refreshes or unset:
-            options = {
-                key: value
-                for key, value in (("beam", beam), ("refresh", refresh))
-                if value is not None
-            }
-            label = " ".join(f"{key}={value}" for key, value in options.items())
-            variants.append((label, options))
+            for share in alias_shares or unset:
+                options: dict[str, Any] = {
+                    key: value
+                    for key, value in (("beam", beam), ("refresh", refresh))
+                    if value is not None
+                }
+                if share is not None:
+                    options["alias_share"] = share or None
+                label = " ".join(
+                    f"{key}={'never' if value is None else value}" for key, value in options.items()
+                )
+                variants.append((label, options))
     return variants
 
 
@@ -412,6 +421,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="continuations expanded per roll-out step; a list as for --refresh",
     )
     parser.add_argument(
+        "--alias-share",
+        type=fraction_list(),
+        help="share of a workflow type's recent workflows bringing a new agent name past which "
+        "it is modelled over aliases (0: never); a list as for --refresh",
+    )
+    parser.add_argument(
         "--cost",
         action="store_true",
         help="also print the cost table: CPU µs per call (predict, learn), the reference loop "
@@ -425,7 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[Result] = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as progress:
-        variants = predictor_variants(args.beam, args.refresh)
+        variants = predictor_variants(args.beam, args.refresh, args.alias_share)
         total = len(variants) * sum(w.calls + len(w.streams) for w in workloads)
         task = progress.add_task("events", total=total)
         for name, workload in zip(names, workloads, strict=True):

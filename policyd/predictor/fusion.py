@@ -15,6 +15,15 @@ experts give a distribution over the next label (an agent, or ``END``):
 
 They are mixed with weights learnt online per workflow type and last agent (``Mixture``).
 
+Some workflow types name their agents per workflow (group chats name their experts per task:
+in the Who&When chats 165 of 190 names speak in one chat only), so counts over names never
+recur. Once most of a type's recent workflows (``alias_share`` of the last ``alias_window``,
+after ``alias_after``) brought a name the type had not seen, its new workflows are modelled
+over aliases: ``#1`` for the workflow's first speaker, ``#2`` for the next new one, and so on.
+Every model then learns the shape of the conversation, which does recur, and the forecasts are
+translated back to names; the mass on an alias that has not spoken yet (an agent the workflow
+has not called, whose name is unknown) is left out, as no name can be given to it.
+
 Steps 2..K roll the one-step model forward over a beam of likely continuations (``rollout``);
 hints stay those of the last real request.
 
@@ -58,6 +67,18 @@ def _step_one(labels: Sequence[str], probs: Sequence[float]) -> tuple[dict[str, 
 
 def _first(child: tuple[float, str, Position]) -> float:
     return child[0]
+
+
+def _named(forecast: Forecast, named: Mapping[str, str]) -> Forecast:
+    """An aliased workflow's forecast in agent names (``named``: alias -> name). An alias with
+    no name yet (an agent the workflow has not called) is left out: its step's distribution
+    then sums to less than 1, the rest being "an agent not called so far".
+
+    >>> _named(Forecast([{"#1": 0.6, "#2": 0.4}], [1.0]), {"#1": "coder"}).agents
+    [{'coder': 0.6}]
+    """
+    agents = [{named[a]: p for a, p in step.items() if a in named} for step in forecast.agents]
+    return Forecast(agents, forecast.alive)
 
 
 @dataclass(slots=True)
@@ -127,20 +148,37 @@ class _Workflow:
     hints: _Hints | None = None
     forecast: Forecast | None = None  # what was served for the current position
     pending: deque[tuple[int, Forecast]] = field(default_factory=deque)
+    # an aliased workflow's aliases: name -> alias and alias -> name (None: modelled by name)
+    aliases: dict[str, str] | None = None
+    named: dict[str, str] | None = None
+    novel: bool = False  # called a name its type had not seen before it started
 
 
 class _TypeModel:
     """What is learnt per workflow type besides the counts."""
 
-    __slots__ = ("agents", "context", "known", "learns", "mixture", "structures")
+    __slots__ = (
+        "agents",
+        "aliased",
+        "context",
+        "known",
+        "learns",
+        "mixture",
+        "names",
+        "novel",
+        "structures",
+    )
 
-    def __init__(self, context: ContextModel, mixture: Mixture) -> None:
+    def __init__(self, context: ContextModel, mixture: Mixture, window: int = 64) -> None:
         self.context = context
         self.mixture = mixture
-        self.agents: list[str] = []  # in order of first appearance (noise draws from them)
+        self.agents: list[str] = []  # labels in order of first appearance (noise draws them)
         self.known: set[str] = set()
         self.learns = 0
         self.structures: dict[tuple[object, ...], _Structure] = {}
+        self.names: set[str] = set()  # agent names called by this type's workflows
+        self.novel: deque[bool] = deque(maxlen=window)  # per finished workflow: a new name?
+        self.aliased = False  # new workflows are modelled over aliases
 
 
 class Predictor:
@@ -193,6 +231,12 @@ class Predictor:
         Active workflows remembered; the least recently seen is forgotten past this.
     seed
         Seeds the noise.
+    alias_share
+        A workflow type whose last ``alias_window`` finished workflows (at least ``alias_after``
+        of them) brought a name it had not seen at least this often is modelled over aliases
+        (its new workflows; below half this share it goes back to names). None: never.
+    alias_window, alias_after
+        See ``alias_share``.
     roll_out_unserved
         Roll out a K-step forecast at every call, to score it, even when none was asked for
         (True: every position's steps 1..K are scored; what the replays do). False scores step
@@ -237,6 +281,9 @@ class Predictor:
         noise: float = 0.0,
         max_workflows: int = 100_000,
         seed: int = 0,
+        alias_share: float | None = 0.5,
+        alias_window: int = 64,
+        alias_after: int = 16,
         roll_out_unserved: bool = True,
     ) -> None:
         if k < 1:
@@ -245,6 +292,12 @@ class Predictor:
             raise ValueError(f"noise must be in [0, 1], got {noise}")
         if max_candidates < 2:
             raise ValueError(f"max_candidates must be at least 2, got {max_candidates}")
+        if alias_share is not None and not 0.0 < alias_share <= 1.0:
+            raise ValueError(f"alias_share must be in (0, 1] or None, got {alias_share}")
+        if not 1 <= alias_after <= alias_window:
+            raise ValueError(
+                f"need 1 <= alias_after <= alias_window, got {alias_after} and {alias_window}"
+            )
         self.k = k
         self.order = order
         self.max_candidates = max_candidates
@@ -261,6 +314,9 @@ class Predictor:
         self.noise = noise
         self.max_workflows = max_workflows
         self.seed = seed
+        self.alias_share = alias_share
+        self.alias_window = alias_window
+        self.alias_after = alias_after
         self.roll_out_unserved = roll_out_unserved
         self.markov = BackoffClassifier(order=order, max_count=max_count)
         self.copy = BackoffClassifier(order=2, max_count=max_count)
@@ -295,9 +351,20 @@ class Predictor:
             workflow = self._start(workflow_id, workflow_type, hints, ts)
         else:
             self._workflows.move_to_end(workflow_id)
-        self._learn(workflow, agent)
+        model = self._types.get(workflow.position.kind) or self._type(workflow.position.kind)
+        names = model.names
+        if agent not in names:
+            if len(names) >= self.max_workflows:
+                names.clear()
+            names.add(agent)
+            workflow.novel = True
+        label = agent
+        aliases = workflow.aliases
+        if aliases is not None:
+            label = aliases.get(agent) or self._alias(workflow, agent)
+        self._learn(workflow, label, agent)
         numeric, onehot = split_hints(hints)
-        position = workflow.position.then(agent, self.order)
+        position = workflow.position.then(label, self.order)
         position.numeric, position.onehot = numeric, onehot
         workflow.position = position
         workflow.ts = ts
@@ -309,7 +376,8 @@ class Predictor:
         workflow = self._workflows.pop(workflow_id, None)
         if workflow is None:
             return
-        self._learn(workflow, END)
+        self._learn(workflow, END, END)
+        self._type(workflow.position.kind).novel.append(workflow.novel)
         self._finished += 1
 
     def forget(self, workflow_id: str) -> None:
@@ -328,10 +396,14 @@ class Predictor:
     ) -> Forecast:
         """The forecast for a workflow of type ``workflow_type`` that has made no call yet,
         whose first request carries ``hints``: step 1 is its first agent."""
+        model = self._type(workflow_type)
         position = self._fresh(workflow_type, hints or {})
-        state = self._hints(position, self._type(workflow_type).context)
-        forecast = self._rollout(position, self._evaluate(position, state), state)
-        return self._noisy(workflow_type, forecast)
+        state = self._hints(position, model.context)
+        forecast = self._noisy(
+            workflow_type, self._rollout(position, self._evaluate(position, state), state)
+        )
+        # an aliased type's new workflow has called nobody: no alias has a name yet
+        return _named(forecast, {}) if model.aliased else forecast
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore a pickled predictor (a daemon checkpoint). One pickled before the context
@@ -350,7 +422,17 @@ class Predictor:
                 legacy = True
             if not all(hasattr(s, "resolved") for s in model.structures.values()):
                 model.structures.clear()  # (pickled before structures kept their Counts)
+            if not hasattr(model, "aliased"):  # (pickled before types could be aliased)
+                model.names = set(model.known)
+                model.novel = deque(maxlen=self.__dict__.get("alias_window", 64))
+                model.aliased = False
+        self.__dict__.setdefault("alias_share", 0.5)
+        self.__dict__.setdefault("alias_window", 64)
+        self.__dict__.setdefault("alias_after", 16)
         for workflow in self._workflows.values():
+            if not hasattr(workflow, "novel"):  # (pickled before workflows could be aliased)
+                workflow.aliases = workflow.named = None
+                workflow.novel = False
             hints = workflow.hints
             if legacy or (hints is not None and not hasattr(hints, "margins")):
                 workflow.node = workflow.hints = None  # (hints pickled before margins existed)
@@ -367,6 +449,7 @@ class Predictor:
             finished=self._finished,
             active=len(self._workflows),
             types=len(self._types),
+            aliased_types=sorted(kind for kind, t in self._types.items() if t.aliased),
             agents=sum(len(t.agents) for t in self._types.values()),
             contexts=self.markov.n_contexts + self.copy.n_contexts,
             forecasts=self._forecasts,
@@ -386,7 +469,7 @@ class Predictor:
         if model is None:
             mixture = Mixture(len(EXPERTS), rate=self.expert_rate, floor=self.expert_floor)
             context = ContextModel(learning_rate=self.learning_rate)
-            model = self._types[kind] = _TypeModel(context, mixture)
+            model = self._types[kind] = _TypeModel(context, mixture, self.alias_window)
         return model
 
     def _fresh(self, kind: str, hints: Mapping[str, HintValue]) -> Position:
@@ -397,10 +480,43 @@ class Predictor:
         self, workflow_id: str, kind: str, hints: Mapping[str, HintValue], ts: float
     ) -> _Workflow:
         workflow = _Workflow(self._fresh(kind, hints), ts)
+        if self._aliasing(kind):
+            workflow.aliases, workflow.named = {}, {}
         self._workflows[workflow_id] = workflow
         while len(self._workflows) > self.max_workflows:
             self._workflows.popitem(last=False)
         return workflow
+
+    def _aliasing(self, kind: str) -> bool:
+        """Whether a new workflow of type ``kind`` is modelled over aliases; a type that changes
+        mode forgets most of what it learnt (as after a drift: the labels are not the same)."""
+        model = self._types.get(kind) or self._type(kind)
+        share, novel = self.alias_share, model.novel
+        if share is None or len(novel) < self.alias_after:
+            return model.aliased
+        seen = sum(novel) / len(novel)
+        aliased = seen >= share if not model.aliased else seen >= share / 2
+        if aliased != model.aliased:
+            model.aliased = aliased
+            self._forget_type(kind, model)
+            model.agents, model.known = [], set()  # the labels are the new mode's from now
+        return aliased
+
+    def _forget_type(self, kind: str, model: _TypeModel) -> None:
+        """Decay the type's counts, reset its context model and mixture, drop its views."""
+        self.markov.decay(kind, self.drift_decay)
+        self.copy.decay(kind, self.drift_decay)
+        model.context.reset()
+        model.mixture.reset()
+        model.structures.clear()
+
+    @staticmethod
+    def _alias(workflow: _Workflow, agent: str) -> str:
+        """The alias of ``agent``, new to ``workflow``: ``#n`` for its n-th distinct agent."""
+        assert workflow.aliases is not None and workflow.named is not None
+        alias = workflow.aliases[agent] = f"#{len(workflow.aliases) + 1}"
+        workflow.named[alias] = agent
+        return alias
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -661,14 +777,20 @@ class Predictor:
             if workflow.node is None or workflow.hints is None:
                 workflow.hints = self._hints(position, self._type(position.kind).context)
                 workflow.node = self._evaluate(position, workflow.hints)
-            forecast = self._rollout(position, workflow.node, workflow.hints)
-            workflow.forecast = self._noisy(position.kind, forecast)
-            workflow.pending.append((position.pos, workflow.forecast))
+            forecast = self._noisy(
+                position.kind, self._rollout(position, workflow.node, workflow.hints)
+            )
+            if workflow.named is not None:
+                forecast = _named(forecast, workflow.named)
+            workflow.forecast = forecast
+            workflow.pending.append((position.pos, forecast))
         return workflow.forecast
 
     # -- learning ------------------------------------------------------------------------------
 
-    def _learn(self, workflow: _Workflow, label: str) -> None:
+    def _learn(self, workflow: _Workflow, label: str, name: str) -> None:
+        """Learn that ``label`` (``name``'s alias in an aliased workflow, else ``name``) followed
+        the workflow's position; its forecasts, served in names, are scored on ``name``."""
         position = workflow.position
         kind = position.kind
         # An active workflow's position is scored: all K steps of its forecast, rolled out
@@ -698,13 +820,16 @@ class Predictor:
         if pending:
             pos, check = position.pos, self.tracker.check
             for made, forecast in pending:
-                if check(kind, forecast, pos - made + 1, label):
+                if check(kind, forecast, pos - made + 1, name):
                     drifted = True
             while pending and (label == END or pos - pending[0][0] + 2 > self.k):
                 pending.popleft()
         if unserved:  # (the newest forecast: after the older ones, as it would be in pending)
             first, ended = _step_one(node.labels, node.probs)
-            if self.tracker.check(kind, Forecast([first], [1.0 - ended]), 1, label):
+            step_one = Forecast([first], [1.0 - ended])
+            if workflow.named is not None:
+                step_one = _named(step_one, workflow.named)
+            if self.tracker.check(kind, step_one, 1, name):
                 drifted = True
 
         model = self._types.get(kind) or self._type(kind)
@@ -760,8 +885,4 @@ class Predictor:
         model.mixture.learn(position.history[-1], said)
 
         if drifted:
-            self.markov.decay(kind, self.drift_decay)
-            self.copy.decay(kind, self.drift_decay)
-            context.reset()
-            model.mixture.reset()
-            model.structures.clear()
+            self._forget_type(kind, model)
