@@ -208,6 +208,39 @@ def test_a_type_that_names_its_agents_per_workflow_is_modelled_over_aliases() ->
     assert by_name.predict("new").top(2) != "Verifier7"
 
 
+@settings(max_examples=20, deadline=None)
+@given(
+    chats=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=8), min_size=20, max_size=30)
+)
+def test_an_aliased_forecast_names_only_agents_its_workflow_called(
+    chats: list[list[int]],
+) -> None:
+    predictor = Predictor(k=3, alias_after=4, alias_window=8)
+    for n, speakers in enumerate(chats):
+        wid, called = f"c{n}", set()
+        for i, speaker in enumerate(speakers):
+            agent = f"expert{n}-{speaker}"  # every chat names its own experts
+            predictor.observe_call(wid, "chat", agent, {}, float(i))
+            called.add(agent)
+            forecast = predictor.predict(wid)
+            check_forecast(forecast, 3, aliased=True)
+            if predictor._workflows[wid].named is not None:  # (started once aliased)
+                assert all(set(step) <= called for step in forecast.agents)
+        predictor.observe_finished(wid)
+    assert predictor.stats()["aliased_types"] == ["chat"]
+
+
+def test_a_type_whose_names_start_to_recur_goes_back_to_names() -> None:
+    predictor = Predictor(k=2, alias_window=32, alias_after=16)
+    run(predictor, [per_task(n) for n in range(20)], kind="chat")
+    assert predictor.stats()["aliased_types"] == ["chat"]
+    # the same four experts from now on: after the window has seen few new names, by name
+    run(predictor, [plain("ABCB")] * 40, kind="chat")
+    assert predictor.stats()["aliased_types"] == []
+    predictor.observe_call("again", "chat", "A", {}, 0.0)
+    assert [predictor.predict("again").top(s) for s in (1, 2)] == ["B", "C"]
+
+
 def test_aliasing_is_scored_on_names_and_survives_a_checkpoint() -> None:
     predictor = Predictor(k=2)
     run(predictor, [per_task(n) for n in range(30)], kind="chat")
