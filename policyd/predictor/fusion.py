@@ -151,7 +151,7 @@ class _Workflow:
     # an aliased workflow's aliases: name -> alias and alias -> name (None: modelled by name)
     aliases: dict[str, str] | None = None
     named: dict[str, str] | None = None
-    novel: bool = False  # called a name its type had not seen before it started
+    novel: bool = False  # one of its calls named an agent new to its type
 
 
 class _TypeModel:
