@@ -35,6 +35,7 @@ import timeit
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -377,20 +378,16 @@ def predictor_variants(
     """
     variants: list[tuple[str, dict[str, Any]]] = []
     unset: list[Any] = [None]
-    for beam in beams or unset:
-        for refresh in refreshes or unset:
-            for share in alias_shares or unset:
-                options: dict[str, Any] = {
-                    key: value
-                    for key, value in (("beam", beam), ("refresh", refresh))
-                    if value is not None
-                }
-                if share is not None:
-                    options["alias_share"] = share or None
-                label = " ".join(
-                    f"{key}={'never' if value is None else value}" for key, value in options.items()
-                )
-                variants.append((label, options))
+    for beam, refresh, share in product(beams or unset, refreshes or unset, alias_shares or unset):
+        options: dict[str, Any] = {
+            key: value for key, value in (("beam", beam), ("refresh", refresh)) if value is not None
+        }
+        if share is not None:
+            options["alias_share"] = share or None
+        label = " ".join(
+            f"{key}={'never' if value is None else value}" for key, value in options.items()
+        )
+        variants.append((label, options))
     return variants
 
 
