@@ -53,6 +53,7 @@ from policyd.policies.efficientagent import WorkingSet
 from policyd.policies.pbkv import PBKV
 from policyd.policies.referee import RankingReferee
 from policyd.policies.stepgraph import StepGraph
+from policyd.policies.virtual import VirtualReferee
 from policyd.predictor import Predictor
 from policyd.types import (
     BLOCK_SIZE_TOKENS,
@@ -60,6 +61,7 @@ from policyd.types import (
     BlocksStored,
     Event,
     PolicySnapshot,
+    RequestFinished,
     RequestStarted,
     ScoredBlocks,
     WorkflowFinished,
@@ -70,6 +72,7 @@ from policyd.types import (
 _K = TypeVar("_K")
 Key = tuple[str, str]  # (workflow, agent): one agent's private prompt in one workflow
 RANKINGS = ("steps", "lookahead", "both")
+REFEREES = ("marks", "virtual")
 
 
 class AgentKV(PBKV):
@@ -102,6 +105,7 @@ class AgentKV(PBKV):
         interval_smoothing: float = 0.5,
         host_blocks: int = 0,
         gpu_blocks: int = 0,
+        referee: str = "marks",
         referee_window: int = 256,
         referee_min_samples: int = 32,
         host_ranking: str = "both",
@@ -127,6 +131,8 @@ class AgentKV(PBKV):
             raise ValueError(
                 f"unknown host_ranking {host_ranking!r}; valid rankings: {', '.join(RANKINGS)}"
             )
+        if referee not in REFEREES:
+            raise ValueError(f"unknown referee {referee!r}; valid referees: {', '.join(REFEREES)}")
         if host_residency_bonus < 0.0:
             raise ValueError(f"host_residency_bonus must be >= 0, got {host_residency_bonus}")
         self.host_ranking = host_ranking
@@ -150,9 +156,14 @@ class AgentKV(PBKV):
         # the agent's next prompt in the workflow starts with both
         self._output: dict[tuple[str, str], tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self.graph = StepGraph()
+        self.referee_kind = referee
         self.referee = RankingReferee(
             RANKINGS, window=referee_window, min_samples=referee_min_samples
         )
+        self.virtual: VirtualReferee | None = None  # with the GPU tier's size (configure_tiers)
+        self._referee_window = referee_window
+        self._referee_min_samples = referee_min_samples
+        self._configure_virtual(gpu_blocks)
         self.ranking = "steps"
         self._host_groups: list[ScoredBlocks] = []  # the host ranking's groups, this snapshot
         self._published: dict[int, float] = {}  # block -> host score in the last snapshot
@@ -219,6 +230,21 @@ class AgentKV(PBKV):
 
     def configure_tiers(self, *, gpu_blocks: int, host_blocks: int) -> None:
         self.working_set.configure(gpu_blocks=gpu_blocks, host_blocks=host_blocks)
+        self._configure_virtual(gpu_blocks)
+
+    def _configure_virtual(self, gpu_blocks: int) -> None:
+        """The virtual tiers need the GPU tier's size; without it the marks referee judges."""
+        if self.referee_kind != "virtual" or gpu_blocks <= 0:
+            self.virtual = None
+        elif self.virtual is None:
+            self.virtual = VirtualReferee(
+                RANKINGS,
+                capacity_blocks=gpu_blocks,
+                window=self._referee_window,
+                min_samples=self._referee_min_samples,
+            )
+        else:
+            self.virtual.resize(gpu_blocks)
 
     def sizing(self) -> Sizing:
         return self.working_set.sizing()
@@ -234,7 +260,10 @@ class AgentKV(PBKV):
             assert isinstance(event, RequestStarted)
             wid = event.workflow_id
             self.graph.observe_call(wid, event.workflow_type, event.agent)
-            self.referee.referenced((wid, event.agent))
+            if self.virtual is None:
+                self.referee.referenced((wid, event.agent))
+            else:
+                self.virtual.started(event.request_id, event.block_hashes)
             last = self._last_call_ts.get(wid)
             self._last_call_ts[wid] = event.ts
             if last is not None:
@@ -253,6 +282,12 @@ class AgentKV(PBKV):
                 out = tuple(b for b in event.block_hashes if b not in prompt)
                 if out:
                     self._output[req.workflow_id, req.agent] = (req.block_hashes, out)
+                    if self.virtual is not None:
+                        self.virtual.stored(req.request_id, out)
+        elif kind is RequestFinished:
+            assert isinstance(event, RequestFinished)
+            if self.virtual is not None:
+                self.virtual.finished(event.request_id, event.output_tokens)
         elif kind is WorkflowFinished:
             assert isinstance(event, WorkflowFinished)
             self.graph.observe_finished(event.workflow_id)
@@ -262,12 +297,20 @@ class AgentKV(PBKV):
                 del self._output[key]
 
     def score_groups(self, state: EngineState) -> list[ScoredBlocks]:
-        """The ranking the referee prefers - PBKV's lookahead or the learned graph's steps -
-        as groups; both are published to the referee to be judged on the calls that follow."""
+        """The ranking the referee prefers - PBKV's lookahead, the learned graph's steps or
+        their sum - as groups; every ranking is given to the referee, to be judged on the
+        calls that follow (each orders its virtual tier, or is marked where it kept prompts)."""
         steps = self._values(state, lookahead=False)
         ahead = self._values(state, lookahead=True)
         both = (_added(steps[0], ahead[0]), _added(steps[1], ahead[1]))
         rankings = {"steps": steps, "lookahead": ahead, "both": both}
+        if self.virtual is not None:
+            by_name = {name: self._to_groups(values, state) for name, values in rankings.items()}
+            for name, ranked in by_name.items():
+                self.virtual.rescore(name, self._tier_scores(ranked))
+            self.ranking = self.virtual.best()
+            self._host_groups = by_name[self.host_ranking]
+            return by_name[self.ranking]
         self._publish(state, {name: values[0] for name, values in rankings.items()})
         self.ranking = self.referee.best()
         groups = self._to_groups(rankings[self.ranking], state)
@@ -280,12 +323,23 @@ class AgentKV(PBKV):
 
     def degraded_groups(self, state: EngineState) -> list[ScoredBlocks]:
         """KVFlow's ``1 / steps`` priority on the learned step graph (the referee judges it
-        alone while the predictor is degraded)."""
+        alone while the predictor is degraded: every virtual tier is ordered by it)."""
         steps = self._values(state, lookahead=False)
-        self._publish(state, {"steps": steps[0], "lookahead": {}, "both": steps[0]})
         self.ranking = "steps"
         groups = self._host_groups = self._to_groups(steps, state)
+        if self.virtual is not None:
+            scores = self._tier_scores(groups)
+            for name in RANKINGS:
+                self.virtual.rescore(name, scores)
+        else:
+            self._publish(state, {"steps": steps[0], "lookahead": {}, "both": steps[0]})
         return groups
+
+    def _tier_scores(self, groups: list[ScoredBlocks]) -> dict[int, float]:
+        """Every block's score as a tier ordered by ``groups`` would have it: the retired
+        blocks lowest, as the snapshot publishes them."""
+        retired = self.retired_group(groups)
+        return score_map(groups if retired is None else [*groups, retired])
 
     def _publish(self, state: EngineState, rankings: dict[str, dict[Key, float]]) -> None:
         prefixes = state.agent_prefix
