@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import itertools
 import json
 import math
@@ -23,6 +24,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from scipy import stats
@@ -36,6 +38,68 @@ from policyd.workload import Workload
 from policyd.workloads import WORKLOADS, make_workload
 
 WorkloadLoader = Callable[[str], Workload]
+
+
+def policy_variant(label: str) -> tuple[str, dict[str, object]]:
+    """A policy as ``--policies`` names it: ``name``, or ``name[param=value,...]`` for a variant
+    run side by side with the default (its label is the whole text). Values are read as int,
+    float, true/false, or else text.
+
+    >>> policy_variant("agentkv[referee=virtual,referee_window=128]")
+    ('agentkv', {'referee': 'virtual', 'referee_window': 128})
+    """
+    name, bracket, rest = label.partition("[")
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(sorted(POLICIES))}")
+    if not bracket:
+        return name, {}
+    if not rest.endswith("]"):
+        raise ValueError(f"policy variant {label!r}: expected name[param=value,...]")
+    accepted = set(inspect.signature(POLICIES[name].__init__).parameters) - {"self"}
+    params: dict[str, object] = {}
+    for item in filter(None, rest[:-1].split(",")):
+        key, eq, text = item.partition("=")
+        key = key.strip()
+        if not eq or key not in accepted:
+            raise ValueError(
+                f"policy variant {label!r}: {item!r} is not param=value with a parameter of "
+                f"{name}; valid: {', '.join(sorted(accepted))}"
+            )
+        params[key] = _value(text.strip())
+    return name, params
+
+
+def split_policies(text: str) -> list[str]:
+    """``--policies``: comma-separated, a variant's brackets kept whole.
+
+    >>> split_policies("lru,agentkv,agentkv[referee=virtual,referee_window=128]")
+    ['lru', 'agentkv', 'agentkv[referee=virtual,referee_window=128]']
+    """
+    out: list[str] = []
+    depth, start = 0, 0
+    for i, char in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            out.append(text[start:i])
+            start = i + 1
+    out.append(text[start:])
+    return [label.strip() for label in out if label.strip()]
+
+
+def _value(text: str) -> object:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def ours_labels(labels: Sequence[str]) -> list[str]:
+    """``agentkv`` and its variants among ``labels``: each is compared with the baselines."""
+    return [label for label in labels if label.partition("[")[0] == "agentkv"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +122,8 @@ class BenchSpec:
             raise ValueError(f"noise levels must be in [0, 1], got {list(self.noise)}")
         if self.noise and "pbkv" not in self.policies:
             raise ValueError("--noise degrades pbkv's predictor: add pbkv to the policies")
-        for name in self.policies:
-            if name not in POLICIES:
-                raise ValueError(
-                    f"unknown policy {name!r}; valid policies: {', '.join(sorted(POLICIES))}"
-                )
+        for label in self.policies:
+            policy_variant(label)  # (raises on an unknown policy or parameter)
 
     def points(self) -> list[tuple[str, int, int | None, int | None]]:
         return list(
@@ -132,14 +193,17 @@ def run_bench(
             )
             point: dict[str, Report] = {}
             for policy in policies:
-                progress.update(task, description=f"{name} C={concurrency} {policy}")
+                progress.update(task, description=escape(f"{name} C={concurrency} {policy}"))
+                base_name, params = policy_variant(policy)
                 point[policy] = simulate(
                     loaded[name],
-                    policy,
+                    base_name,
                     dataclasses.replace(config, record_requests=policy == "lru"),
                     progress=lambda n: progress.advance(task, n),
                     lru_report=point.get("lru"),
+                    policy_params=params or None,
                 )
+                point[policy].policy = policy
             for level in spec.noise:
                 label = f"pbkv noise={level:g}"
                 progress.update(task, description=f"{name} C={concurrency} {label}")
@@ -502,9 +566,11 @@ def reports_from_json(path: str) -> tuple[dict[int, list[Report]], str]:
 
 
 def _print_seed(console: Console, reports: Sequence[Report], title: str) -> None:
-    """One seed's runs: the policies' table and agentkv against the best baseline."""
+    """One seed's runs: the policies' table and agentkv (and each variant of it run) against
+    the best baseline."""
     console.print(render_table(reports, title))
-    console.print(versus_best(reports))
+    for ours in ours_labels(list(dict.fromkeys(r.policy for r in reports))) or ["agentkv"]:
+        console.print(versus_best(reports, ours))
 
 
 def _title(profile: str, seed: int, seeds: int) -> str:
@@ -519,7 +585,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m policyd.bench", description=main.__doc__)
     p.add_argument("--workload", help="comma-separated names or trace paths (required to run)")
-    p.add_argument("--policies", default=",".join((*BASELINES, "agentkv")))
+    p.add_argument(
+        "--policies",
+        default=",".join((*BASELINES, "agentkv")),
+        help="comma-separated; a variant with other parameters runs beside the default as "
+        "name[param=value,...], e.g. agentkv[referee=virtual]",
+    )
     p.add_argument("--concurrency", type=int_list(1), help="comma-separated (required to run)")
     p.add_argument("--gpu-blocks", type=int_list(), default="16384")
     p.add_argument("--host-blocks", type=int_list(), default="0,16384")
@@ -543,7 +614,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    console = Console(width=max(160, Console().width))  # (wide tables stay whole in a log)
+    # (wide tables stay whole in a log; no markup: a variant's label has brackets)
+    console = Console(width=max(160, Console().width), markup=False)
     by_seed: dict[int, list[Report]] = {}
     if args.from_json:
         if args.json or args.workload or args.concurrency:
@@ -564,7 +636,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         specs = [
             BenchSpec(
                 workloads=[w for w in args.workload.split(",") if w],
-                policies=[x for x in args.policies.split(",") if x],
+                policies=split_policies(args.policies),
                 concurrency=args.concurrency,
                 gpu_blocks=args.gpu_blocks,
                 host_blocks=args.host_blocks,
@@ -579,7 +651,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             reports = by_seed[spec.seed] = run_bench(spec, show_progress=not args.no_progress)
             _print_seed(console, reports, _title(spec.profile, spec.seed, len(specs)))
     if len(by_seed) > 1:
-        console.print(across_seeds(by_seed))
+        labels = list(dict.fromkeys(r.policy for rs in by_seed.values() for r in rs))
+        for ours in ours_labels(labels) or ["agentkv"]:
+            console.print(across_seeds(by_seed, ours))
     console.print(f"reproduce: {command}")
     if args.plot:
         plot_versus(by_seed, args.plot, command)

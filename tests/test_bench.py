@@ -41,12 +41,35 @@ def test_every_policy_and_noise_level_is_reported_beside_belady():
     assert all(r.requests == belady.requests for r in reports)
 
 
+def test_a_variant_runs_beside_the_default_under_its_own_label(capsys):
+    reports = run_bench(spec(policies=["pbkv", "pbkv[noise=1.0]"]), load=small, show_progress=False)
+    by_label = {r.policy: r for r in reports}
+    assert list(by_label) == ["pbkv", "pbkv[noise=1.0]", "belady"]
+    # the same workload, other decisions: a predictor replaced by noise keeps other blocks
+    assert by_label["pbkv"].requests == by_label["pbkv[noise=1.0]"].requests
+    assert by_label["pbkv"].gpu_hit_blocks != by_label["pbkv[noise=1.0]"].gpu_hit_blocks
+
+
+def test_bench_compares_each_agentkv_variant_with_the_baselines(capsys):
+    argv = ["--workload", "code-writing", "--streams", "8", "--concurrency", "4"]
+    argv += ["--gpu-blocks", "3000", "--host-blocks", "0", "--no-progress"]
+    argv += ["--policies", "lru,agentkv,agentkv[referee=virtual,referee_window=64]"]
+    assert bench_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "agentkv vs the best baseline per point" in out
+    assert "agentkv[referee=virtual,referee_window=64] vs the best baseline" in out
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
         ({"policies": ["lru", "nope"]}, "unknown policy 'nope'"),
         ({"noise": [1.5]}, "noise levels must be in [0, 1]"),
         ({"policies": ["lru"], "noise": [0.5]}, "add pbkv"),
+        ({"policies": ["agentkv[nope=1]"]}, "'nope=1' is not param=value with a parameter"),
+        ({"policies": ["agentkv[referee]"]}, "'referee' is not param=value"),
+        ({"policies": ["agentkv[referee=virtual"]}, "expected name[param=value,...]"),
+        ({"policies": ["nope[referee=virtual]"]}, "unknown policy 'nope'"),
     ],
 )
 def test_bad_specs_are_clear_errors(overrides, message):
