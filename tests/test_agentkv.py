@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from policyd.engine import Engine
 from policyd.policies.agentkv import AgentKV
 from policyd.policies.referee import RankingReferee
@@ -230,3 +232,13 @@ def test_agentkv_is_at_least_lru_and_efficientagent_at_a_contended_point() -> No
     ours = simulate(work, "agentkv", config)
     assert ours.hit_rate >= max(lru.hit_rate, ea.hit_rate)
     assert ours.recomputed_tokens <= min(lru.recomputed_tokens, ea.recomputed_tokens)
+
+
+def test_a_fixed_gpu_ranking_is_kept_whatever_the_referee_prefers() -> None:
+    for fixed in ("lookahead", "both"):
+        engine, policy, _ = trained(gpu_ranking=fixed)
+        engine.snapshot()
+        assert not policy.degraded and policy.ranking == fixed
+        assert policy.referee.best() == "steps"  # (too few judged: it would have said steps)
+    with pytest.raises(ValueError, match="valid: referee, steps, lookahead, both"):
+        AgentKV(gpu_ranking="nope")

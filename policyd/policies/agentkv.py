@@ -106,6 +106,7 @@ class AgentKV(PBKV):
         host_blocks: int = 0,
         gpu_blocks: int = 0,
         referee: str = "marks",
+        gpu_ranking: str = "referee",
         referee_window: int = 256,
         referee_min_samples: int = 32,
         host_ranking: str = "both",
@@ -130,6 +131,10 @@ class AgentKV(PBKV):
         if host_ranking not in RANKINGS:
             raise ValueError(
                 f"unknown host_ranking {host_ranking!r}; valid rankings: {', '.join(RANKINGS)}"
+            )
+        if gpu_ranking != "referee" and gpu_ranking not in RANKINGS:
+            raise ValueError(
+                f"unknown gpu_ranking {gpu_ranking!r}; valid: referee, {', '.join(RANKINGS)}"
             )
         if referee not in REFEREES:
             raise ValueError(f"unknown referee {referee!r}; valid referees: {', '.join(REFEREES)}")
@@ -157,6 +162,7 @@ class AgentKV(PBKV):
         self._output: dict[tuple[str, str], tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self.graph = StepGraph()
         self.referee_kind = referee
+        self.gpu_ranking = gpu_ranking  # "referee": its choice; a ranking's name: that one always
         self.referee = RankingReferee(
             RANKINGS, window=referee_window, min_samples=referee_min_samples
         )
@@ -308,11 +314,11 @@ class AgentKV(PBKV):
             by_name = {name: self._to_groups(values, state) for name, values in rankings.items()}
             for name, ranked in by_name.items():
                 self.virtual.rescore(name, self._tier_scores(ranked))
-            self.ranking = self.virtual.best()
+            self.ranking = self._judged(self.virtual.best())
             self._host_groups = by_name[self.host_ranking]
             return by_name[self.ranking]
         self._publish(state, {name: values[0] for name, values in rankings.items()})
-        self.ranking = self.referee.best()
+        self.ranking = self._judged(self.referee.best())
         groups = self._to_groups(rankings[self.ranking], state)
         self._host_groups = (
             groups
@@ -320,6 +326,11 @@ class AgentKV(PBKV):
             else self._to_groups(rankings[self.host_ranking], state)
         )
         return groups
+
+    def _judged(self, best: str) -> str:
+        """The GPU ranking: the referee's ``best``, or the one ``gpu_ranking`` holds fixed (an
+        experiment: what a ranking does through a whole run, judged all the same)."""
+        return best if self.gpu_ranking == "referee" else self.gpu_ranking
 
     def degraded_groups(self, state: EngineState) -> list[ScoredBlocks]:
         """KVFlow's ``1 / steps`` priority on the learned step graph (the referee judges it
