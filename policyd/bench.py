@@ -249,7 +249,15 @@ def render_table(reports: Sequence[Report], title: str) -> Table:
         "p50 s",
         "p99 s",
     ):
-        table.add_column(column, justify="left" if column in ("workload", "policy") else "right")
+        # (a variant's label, agentkv[param=value], is folded onto more lines, never cut)
+        table.add_column(
+            column,
+            justify="left" if column in ("workload", "policy") else "right",
+            overflow="fold" if column == "policy" else "ellipsis",
+            min_width=min(32, max((len(r.policy) for r in reports), default=6))
+            if column == "policy"
+            else None,
+        )
     for r in reports:
         table.add_row(
             r.workload,
