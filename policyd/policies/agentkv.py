@@ -14,6 +14,11 @@ their sum the host tier), and a host-tier write filter that generalises Efficien
   handful of workflows, the predictor's probabilities are not). Why: on a young predictor
   (a short run, a new workflow type) the lookahead ranks worse than the structure, on a
   trained one it ranks better (iterations, survival); measured, not assumed.
+* ``referee="virtual"`` (an option; the marks above are the default): one virtual copy of the
+  GPU tier per ranking (``virtual``), the referee preferring the copy that hit most. It counts
+  each ranking's hits exactly on the calls seen, and still is not better: a ranking also
+  changes when calls arrive, which no copy sees (docs/RESULTS.md, *virtual tiers*).
+  ``gpu_ranking`` holds one ranking through a run, for experiments.
 * Graceful degradation: while the predictor is degraded (too few calls, rolling accuracy below
   ``min_accuracy``) only ``steps`` is published, never worse than recency on an unknown graph.
 * Host tier eviction: its own order, published as the snapshot's ``host_scores``: the sum of
