@@ -95,10 +95,15 @@ class RankingReferee:
     def best(self) -> str:
         """The ranking with the higher mean; the first one until ``min_samples`` references
         (and on a tie)."""
-        if len(self._samples) < self.min_samples:
-            return self.names[0]
-        means = self.means()
-        return max(self.names, key=lambda name: (means.get(name, 0.0), -self.names.index(name)))
+        return preferred(self.names, self.means(), len(self._samples) >= self.min_samples)
+
+
+def preferred(names: Sequence[str], marks: Mapping[str, float], judged: bool) -> str:
+    """The name with the highest mark; the first of ``names`` until enough has been ``judged``,
+    and on a tie (a referee keeps what it started with until the evidence says otherwise)."""
+    if not judged:
+        return names[0]
+    return max(names, key=lambda name: (marks.get(name, 0.0), -names.index(name)))
 
 
 def _percentiles(

@@ -27,7 +27,9 @@ WDAS 2002).
 >>> referee.finished("r2")
 >>> referee.started("r3", (1, 2, 3, 4))  # r0's prompt, extended
 >>> {name: round(rate, 3) for name, rate in referee.hit_rates().items()}, referee.best()
-({'steps': 0.0, 'lookahead': 0.273}, 'lookahead')
+({'steps': 0.091, 'lookahead': 0.273}, 'lookahead')
+
+(``steps`` still hits block 1: r0's blocks were freed tail first, so 3 and 2 went before it.)
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
+from policyd.policies.referee import preferred
 from policyd.sim.cache import KeyedQueue
 from policyd.types import BLOCK_SIZE_TOKENS
 
@@ -155,7 +158,7 @@ class VirtualReferee:
         if request_id in self._running:  # said twice: the first one's blocks stay pinned once
             return
         if len(self._running) >= self.max_running:  # a finish never said: the oldest goes
-            self.finished(next(iter(self._running)))
+            self._release(next(iter(self._running)))
         reserve = round(self.output_blocks)
         self._running[request_id] = (list(blocks), reserve)
         hits = tuple(tier.reference(blocks, reserve) for tier in self.tiers.values())
@@ -178,6 +181,9 @@ class VirtualReferee:
     def finished(self, request_id: str, output_tokens: int = 0) -> None:
         """A request ended, having decoded ``output_tokens``: its blocks are unpinned."""
         self.output_blocks += 0.05 * (output_tokens / BLOCK_SIZE_TOKENS - self.output_blocks)
+        self._release(request_id)
+
+    def _release(self, request_id: str) -> None:
         running = self._running.pop(request_id, None)
         if running is not None:
             for tier in self.tiers.values():
@@ -199,7 +205,4 @@ class VirtualReferee:
     def best(self) -> str:
         """The ranking with the most hits; the first one until ``min_samples`` requests (and
         on a tie)."""
-        if len(self._samples) < self.min_samples:
-            return self.names[0]
-        rates = self.hit_rates()
-        return max(self.names, key=lambda name: (rates.get(name, 0.0), -self.names.index(name)))
+        return preferred(self.names, self.hit_rates(), len(self._samples) >= self.min_samples)
