@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import doctest
 from typing import ClassVar
 
 import pytest
 
-import policyd.bench
-import policyd.policies.referee
-import policyd.policies.stepgraph
 from policyd.engine import EngineState
-from policyd.policies import virtual
 from policyd.policies.agentkv import AgentKV
 from policyd.policies.lru import LRU
 from policyd.policies.virtual import VirtualReferee, VirtualTier
@@ -113,10 +108,3 @@ def test_agentkv_judges_by_virtual_tiers_when_asked_and_it_knows_the_gpu_tier() 
     assert all(t.capacity_blocks == 2000 for t in policy.virtual.tiers.values())
     with pytest.raises(ValueError, match="valid referees: marks, virtual"):
         AgentKV(referee="nope")
-
-
-@pytest.mark.parametrize(
-    "module", [policyd.bench, policyd.policies.referee, policyd.policies.stepgraph, virtual]
-)
-def test_doctests(module: object) -> None:
-    assert doctest.testmod(module).failed == 0  # type: ignore[arg-type]

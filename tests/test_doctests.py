@@ -1,0 +1,32 @@
+"""Docstring examples run as doctests: the modules no other test file runs them for."""
+
+from __future__ import annotations
+
+import doctest
+from types import ModuleType
+
+import pytest
+
+import policyd.bench
+import policyd.daemon.ingest
+import policyd.policies.referee
+import policyd.policies.stepgraph
+import policyd.policies.virtual
+import policyd.types
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        policyd.bench,
+        policyd.daemon.ingest,
+        policyd.policies.referee,
+        policyd.policies.stepgraph,
+        policyd.policies.virtual,
+        policyd.types,
+    ],
+    ids=lambda module: module.__name__,
+)
+def test_doctests(module: ModuleType) -> None:
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0
