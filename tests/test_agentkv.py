@@ -242,3 +242,23 @@ def test_a_fixed_gpu_ranking_is_kept_whatever_the_referee_prefers() -> None:
         assert policy.referee.best() == "steps"  # (too few judged: it would have said steps)
     with pytest.raises(ValueError, match="valid: referee, steps, lookahead, both"):
         AgentKV(gpu_ranking="nope")
+
+
+def test_a_calls_output_scores_as_its_prompt_unless_told_not_to() -> None:
+    """Scenario: a live workflow's planner call computed one output block (9005), which the
+    planner's next prompt in the workflow repeats after its prompt."""
+    for score_outputs in (True, False):
+        engine, _, clock = trained(score_outputs=score_outputs)
+        blocks = start(engine, clock, "live.0", "live", agent="planner", private=(9001, 9002))
+        engine.apply_event(
+            BlocksStored(
+                ts=clock.now, tier="gpu", block_hashes=(*blocks, 9005), request_id="live.0"
+            )
+        )
+        engine.apply_event(RequestFinished(ts=clock.now, request_id="live.0"))
+        scores = {b: g.score for g in engine.snapshot().scores for b in g.block_hashes}
+        assert scores[9002] > 0.0
+        if score_outputs:
+            assert scores[9005] == scores[9002]
+        else:
+            assert 9005 not in scores  # below every live prompt, as PBKV and KVFlow leave it

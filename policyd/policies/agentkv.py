@@ -112,6 +112,7 @@ class AgentKV(PBKV):
         gpu_blocks: int = 0,
         referee: str = "marks",
         gpu_ranking: str = "referee",
+        score_outputs: bool = True,
         referee_window: int = 256,
         referee_min_samples: int = 32,
         host_ranking: str = "both",
@@ -168,6 +169,7 @@ class AgentKV(PBKV):
         self.graph = StepGraph()
         self.referee_kind = referee
         self.gpu_ranking = gpu_ranking  # "referee": its choice; a ranking's name: that one always
+        self.score_outputs = score_outputs  # False: outputs left unscored, as PBKV leaves them
         self.referee = RankingReferee(
             RANKINGS, window=referee_window, min_samples=referee_min_samples
         )
@@ -418,7 +420,7 @@ class AgentKV(PBKV):
             prefix = prefixes.get(agent)
             if prefix:
                 groups.append(ScoredBlocks(score, prefix))
-        return self._with_outputs(groups, state)
+        return self._with_outputs(groups, state) if self.score_outputs else groups
 
     def _with_outputs(self, groups: list[ScoredBlocks], state: EngineState) -> list[ScoredBlocks]:
         """``groups`` plus each call's output blocks at the score of its prompt's tail."""
