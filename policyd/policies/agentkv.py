@@ -18,7 +18,8 @@ their sum the host tier), and a host-tier write filter that generalises Efficien
   GPU tier per ranking (``virtual``), the referee preferring the copy that hit most. It counts
   each ranking's hits exactly on the calls seen, and still is not better: a ranking also
   changes when calls arrive, which no copy sees (docs/RESULTS.md, *virtual tiers*).
-  ``gpu_ranking`` holds one ranking through a run, for experiments.
+  ``gpu_ranking`` holds one ranking through a run and ``score_outputs=False`` leaves the output
+  blocks unscored, for experiments (both measured in docs/RESULTS.md, not better).
 * Graceful degradation: while the predictor is degraded (too few calls, rolling accuracy below
   ``min_accuracy``) only ``steps`` is published, never worse than recency on an unknown graph.
 * Host tier eviction: its own order, published as the snapshot's ``host_scores``: the sum of
