@@ -18,7 +18,7 @@ import statistics
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,9 +97,11 @@ def _value(text: str) -> object:
     return text
 
 
-def ours_labels(labels: Sequence[str]) -> list[str]:
-    """``agentkv`` and its variants among ``labels``: each is compared with the baselines."""
-    return [label for label in labels if label.partition("[")[0] == "agentkv"]
+def ours_labels(reports: Iterable[Report]) -> list[str]:
+    """``agentkv`` and its variants among the ``reports``' policies, in the order run (each is
+    compared with the baselines); ``["agentkv"]`` when none ran."""
+    labels = dict.fromkeys(r.policy for r in reports if r.policy.partition("[")[0] == "agentkv")
+    return list(labels) or ["agentkv"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -577,7 +579,7 @@ def _print_seed(console: Console, reports: Sequence[Report], title: str) -> None
     """One seed's runs: the policies' table and agentkv (and each variant of it run) against
     the best baseline."""
     console.print(render_table(reports, title))
-    for ours in ours_labels(list(dict.fromkeys(r.policy for r in reports))) or ["agentkv"]:
+    for ours in ours_labels(reports):
         console.print(versus_best(reports, ours))
 
 
@@ -659,8 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             reports = by_seed[spec.seed] = run_bench(spec, show_progress=not args.no_progress)
             _print_seed(console, reports, _title(spec.profile, spec.seed, len(specs)))
     if len(by_seed) > 1:
-        labels = list(dict.fromkeys(r.policy for rs in by_seed.values() for r in rs))
-        for ours in ours_labels(labels) or ["agentkv"]:
+        for ours in ours_labels(r for reports in by_seed.values() for r in reports):
             console.print(across_seeds(by_seed, ours))
     console.print(f"reproduce: {command}")
     if args.plot:
