@@ -262,3 +262,59 @@ def test_a_calls_output_scores_as_its_prompt_unless_told_not_to() -> None:
             assert scores[9005] == scores[9002]
         else:
             assert 9005 not in scores  # below every live prompt, as PBKV and KVFlow leave it
+
+
+def test_the_steps_ranking_breaks_its_ties_by_the_lookahead_unless_told_not_to() -> None:
+    """Scenario: live workflow A has called its planner once (coder next, then the planner
+    again); live B has run planner and coder (the planner next, then the end). A's planner
+    prompt and B's coder prompt are both two steps away (1/2); the forecast expects A's planner
+    again and B's coder never, so it breaks the tie, within the class; by default ("auto") only
+    without a host tier."""
+    for ties, host_blocks in (("lookahead", 100), ("recency", 0), ("auto", 0), ("auto", 100)):
+        engine, policy, clock = trained(host_blocks, gpu_ranking="steps", steps_ties=ties)
+        a = start(engine, clock, "a.0", "a", agent="planner", private=(9001, 9002))
+        finish(engine, clock, "a.0", a)
+        for step, (agent, private) in enumerate((("planner", (9101, 9102)), ("coder", (9103,)))):
+            clock.now += 1.0
+            rid = f"b.{step}"
+            finish(engine, clock, rid, start(engine, clock, rid, "b", agent=agent, private=private))
+        scores = {b: g.score for g in engine.snapshot().scores for b in g.block_hashes}
+        assert not policy.degraded and policy.ranking == "steps"
+        planner_a, coder_b = scores[9002], scores[9103]
+        assert min(planner_a, coder_b) >= 0.5 and max(planner_a, coder_b) < 0.5 + 1e-6
+        if ties == "lookahead" or (ties == "auto" and not host_blocks):
+            assert planner_a > coder_b
+        else:
+            assert planner_a == coder_b == 0.5  # the tier's recency decides
+    with pytest.raises(ValueError, match="valid: auto, lookahead, recency"):
+        AgentKV(steps_ties="nope")
+
+
+def test_a_flat_types_steps_keep_recency_as_their_tie_break() -> None:
+    """Single-agent workflows give the learned graph no structure: there the steps ranking
+    stays recency (the lookahead has a ranking of its own)."""
+    policy = AgentKV(min_observations=0, min_accuracy=0.0, gpu_ranking="steps")
+    clock = Clock()
+    engine = Engine(policy, clock=clock)
+    for w in range(12):
+        for step in range(3 if w % 2 else 1):
+            clock.now += 1.0
+            rid, wid = f"w{w}.{step}", f"w{w}"
+            blocks = (1000 * w + step,)
+            engine.apply_event(
+                RequestStarted(
+                    ts=clock.now,
+                    request_id=rid,
+                    workflow_id=wid,
+                    agent="solver",
+                    workflow_type="pool",
+                    block_hashes=blocks,
+                    prompt_tokens=17,
+                )
+            )
+            finish(engine, clock, rid, blocks)
+        if w < 10:
+            engine.apply_event(WorkflowFinished(ts=clock.now, workflow_id=wid))
+    assert policy.graph.flat("pool")
+    scores = {b: g.score for g in engine.snapshot().scores for b in g.block_hashes}
+    assert not policy.degraded and scores[10000] == scores[11002] == 1.0

@@ -7,6 +7,13 @@ their sum the host tier), and a host-tier write filter that generalises Efficien
   (``stepgraph``; before a position has been seen followed by anything, the workflow's own
   agents by recency); ``both`` - their sum. Each call's output blocks score as its prompt
   (the agent's next prompt repeats them; PBKV and KVFlow leave them below every live prompt).
+* ``steps`` breaks its ties by the lookahead (``steps_ties``): within a class of equal
+  ``1 / steps`` (and among the blocks no step reaches) the block the forecast expects more goes
+  last; KVFlow breaks them by recency alone. By default only without a host tier, and only for
+  workflow types whose learned graph has structure (in single-agent pools it stays recency).
+  Measured without a host tier: code-writing from 1% behind the best baseline to 0.5-1.3%
+  ahead at 32 and 128 workflows, on two sets of ten seeds (docs/RESULTS.md, *steps
+  tie-broken*).
 * The referee (``referee``) judges the three on the calls that follow: when an agent is called
   again in a workflow, it records where each ranking kept that agent's private prompt (its
   lowest percentile since the previous call, ties by recency). The snapshot publishes the
@@ -79,6 +86,8 @@ _K = TypeVar("_K")
 Key = tuple[str, str]  # (workflow, agent): one agent's private prompt in one workflow
 RANKINGS = ("steps", "lookahead", "both")
 REFEREES = ("marks", "virtual")
+STEPS_TIES = ("auto", "lookahead", "recency")
+TIE_SHARE = 1e-6  # the lookahead's share of a steps score: below any gap between 1/k and 1/(k+1)
 
 
 class AgentKV(PBKV):
@@ -114,6 +123,7 @@ class AgentKV(PBKV):
         referee: str = "marks",
         gpu_ranking: str = "referee",
         score_outputs: bool = True,
+        steps_ties: str = "auto",
         referee_window: int = 256,
         referee_min_samples: int = 32,
         host_ranking: str = "both",
@@ -145,6 +155,8 @@ class AgentKV(PBKV):
             )
         if referee not in REFEREES:
             raise ValueError(f"unknown referee {referee!r}; valid referees: {', '.join(REFEREES)}")
+        if steps_ties not in STEPS_TIES:
+            raise ValueError(f"unknown steps_ties {steps_ties!r}; valid: {', '.join(STEPS_TIES)}")
         if host_residency_bonus < 0.0:
             raise ValueError(f"host_residency_bonus must be >= 0, got {host_residency_bonus}")
         self.host_ranking = host_ranking
@@ -171,6 +183,9 @@ class AgentKV(PBKV):
         self.referee_kind = referee
         self.gpu_ranking = gpu_ranking  # "referee": its choice; a ranking's name: that one always
         self.score_outputs = score_outputs  # False: outputs left unscored, as PBKV leaves them
+        # within a steps class: "lookahead" first, or "recency" only; "auto": the lookahead
+        # without a host tier, recency with one (the host is ordered by the lookahead's sum)
+        self.steps_ties = steps_ties
         self.referee = RankingReferee(
             RANKINGS, window=referee_window, min_samples=referee_min_samples
         )
@@ -317,6 +332,8 @@ class AgentKV(PBKV):
         steps = self._values(state, lookahead=False)
         ahead = self._values(state, lookahead=True)
         both = (_added(steps[0], ahead[0]), _added(steps[1], ahead[1]))
+        if self._ties_by_lookahead():
+            steps = _tie_broken(steps, self._structured(ahead, state))
         rankings = {"steps": steps, "lookahead": ahead, "both": both}
         if self.virtual is not None:
             by_name = {name: self._to_groups(values, state) for name, values in rankings.items()}
@@ -401,6 +418,40 @@ class AgentKV(PBKV):
             for agent, k in self.graph.steps(wf.workflow_type, here, wf.agents).items():
                 private[wid, agent] = 1.0 / k
                 shared[agent] = max(shared.get(agent, 0.0), 1.0 / k)
+        return private, shared
+
+    def _ties_by_lookahead(self) -> bool:
+        """Whether the steps ranking breaks its ties by the lookahead (``steps_ties``). With a
+        host tier, ``auto`` keeps recency: the host is ordered by the sum of both rankings, and
+        a GPU order that ties by recency keeps a different set from it (measured: code-writing
+        and the mixed workload with 4,096 host blocks lose 0.3-2 points with the lookahead
+        tie-break, docs/RESULTS.md, *steps tie-broken*)."""
+        if self.steps_ties == "auto":
+            return self.working_set.host_blocks <= 0
+        return self.steps_ties == "lookahead"
+
+    def _structured(
+        self, ahead: tuple[dict[Key, float], dict[str, float]], state: EngineState
+    ) -> tuple[dict[Key, float], dict[str, float]]:
+        """The lookahead of the workflows whose type's learned graph has structure (the steps
+        ranking's tie-break): in a flat type (single-agent workflows) the steps ranking is
+        recency, which stays one of the referee's choices (with a host tier, recency is what
+        the coding pool's GPU tier needs: docs/RESULTS.md, *steps tie-broken*)."""
+        workflows = state.workflows
+        flat: dict[str, bool] = {}
+        private: dict[Key, float] = {}
+        shared: dict[str, float] = {}
+        for (wid, agent), mass in ahead[0].items():
+            wf = workflows.get(wid)
+            if wf is None:
+                continue
+            kind = wf.workflow_type
+            is_flat = flat.get(kind)
+            if is_flat is None:
+                is_flat = flat[kind] = self.graph.flat(kind)
+            if not is_flat:
+                private[wid, agent] = mass
+                shared[agent] = shared.get(agent, 0.0) + mass
         return private, shared
 
     def _to_groups(
@@ -580,6 +631,29 @@ def _disjoint(
         if blocks:
             unique.append(ScoredBlocks(group.score, blocks))
     return tuple(reversed(unique)), scores
+
+
+def _tie_broken(
+    steps: tuple[dict[Key, float], dict[str, float]],
+    ahead: tuple[dict[Key, float], dict[str, float]],
+) -> tuple[dict[Key, float], dict[str, float]]:
+    """``steps`` with the lookahead as its tie-break: each value raised by the lookahead's,
+    scaled to under ``TIE_SHARE``, so the steps classes keep their order and within a class
+    (and among the blocks no step reaches, which the lookahead may still expect) the block the
+    forecast expects more goes last; recency decides only what both leave equal.
+
+    >>> steps = {("w", "a"): 0.5, ("w", "b"): 0.5, ("w", "d"): 1.0}, {}
+    >>> private, shared = _tie_broken(steps, ({("w", "b"): 2.0, ("w", "d"): 0.1}, {"c": 1.0}))
+    >>> sorted(private, key=private.__getitem__), 0.0 < shared["c"] < 1e-6
+    ([('w', 'a'), ('w', 'b'), ('w', 'd')], True)
+    """
+    top = max(max(ahead[0].values(), default=0.0), max(ahead[1].values(), default=0.0))
+    if top <= 0.0:
+        return steps
+    scale = TIE_SHARE / (1.0 + top)
+    private = _added(steps[0], {key: scale * v for key, v in ahead[0].items()})
+    shared = _added(steps[1], {agent: scale * v for agent, v in ahead[1].items()})
+    return private, shared
 
 
 def _added(a: Mapping[_K, float], b: Mapping[_K, float]) -> dict[_K, float]:

@@ -57,6 +57,24 @@ class StepGraph:
         if last is not None:
             self._known.setdefault(last[0], set()).add(last[1])
 
+    def flat(self, workflow_type: str) -> bool:
+        """Whether no transition between two different agents of the type was seen (single-agent
+        workflows, or none yet): its steps rank every live prompt alike, i.e. by recency.
+
+        >>> graph = StepGraph()
+        >>> for agent in ("solver", "solver"):
+        ...     graph.observe_call("w0", "pool", agent)
+        >>> graph.flat("pool"), graph.flat("unknown")
+        (True, True)
+        >>> graph.observe_call("w0", "pool", "reviewer")
+        >>> graph.flat("pool")
+        False
+        """
+        return all(
+            not successors or successors == {agent}
+            for agent, successors in self._next.get(workflow_type, {}).items()
+        )
+
     def edges(self, workflow_type: str) -> int:
         return sum(len(s) for s in self._next.get(workflow_type, {}).values())
 
