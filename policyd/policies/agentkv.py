@@ -11,9 +11,9 @@ their sum the host tier), and a host-tier write filter that generalises Efficien
   ``1 / steps`` (and among the blocks no step reaches) the block the forecast expects more goes
   last; KVFlow breaks them by recency alone. By default only without a host tier, and only for
   workflow types whose learned graph has structure (in single-agent pools it stays recency).
-  Measured without a host tier: code-writing from 1% behind the best baseline to 0.5-1.3%
-  ahead at 32 and 128 workflows, on two sets of ten seeds (docs/RESULTS.md, *steps
-  tie-broken*).
+  Measured without a host tier: code-writing from 1% behind the best baseline to 1.2-1.3%
+  ahead at 32 workflows (two sets of ten seeds) and 0.5% at 128; financial unchanged; the
+  mixed workload 0.4 points lower, still ahead (docs/RESULTS.md, *steps tie-broken*).
 * The referee (``referee``) judges the three on the calls that follow: when an agent is called
   again in a workflow, it records where each ranking kept that agent's private prompt (its
   lowest percentile since the previous call, ties by recency). The snapshot publishes the
