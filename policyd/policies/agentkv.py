@@ -9,8 +9,9 @@ their sum the host tier), and a host-tier write filter that generalises Efficien
   (the agent's next prompt repeats them; PBKV and KVFlow leave them below every live prompt).
 * ``steps`` breaks its ties by the lookahead (``steps_ties``): within a class of equal
   ``1 / steps`` (and among the blocks no step reaches) the block the forecast expects more goes
-  last; KVFlow breaks them by recency alone. By default only without a host tier, and only for
-  workflow types whose learned graph has structure (in single-agent pools it stays recency).
+  last; KVFlow breaks them by recency alone. By default only without a host tier, only for
+  workflow types whose learned graph has structure (in single-agent pools it stays recency),
+  and never while the predictor is degraded.
   Measured without a host tier: code-writing from 1% behind the best baseline to 1.2-1.3%
   ahead at 32 workflows (two sets of ten seeds) and 0.5% at 128; financial unchanged; the
   mixed workload 0.4 points lower, still ahead (docs/RESULTS.md, *steps tie-broken*).
@@ -437,21 +438,19 @@ class AgentKV(PBKV):
         ranking's tie-break): in a flat type (single-agent workflows) the steps ranking is
         recency, which stays one of the referee's choices (with a host tier, recency is what
         the coding pool's GPU tier needs: docs/RESULTS.md, *steps tie-broken*)."""
-        workflows = state.workflows
-        flat: dict[str, bool] = {}
-        private: dict[Key, float] = {}
+        workflows = state.workflows  # (the lookahead's keys are active workflows')
+        kinds = {workflows[wid].workflow_type for wid, _ in ahead[0]}
+        flat = {kind for kind in kinds if self.graph.flat(kind)}
+        if not flat:
+            return ahead
+        private = {
+            key: mass
+            for key, mass in ahead[0].items()
+            if workflows[key[0]].workflow_type not in flat
+        }
         shared: dict[str, float] = {}
-        for (wid, agent), mass in ahead[0].items():
-            wf = workflows.get(wid)
-            if wf is None:
-                continue
-            kind = wf.workflow_type
-            is_flat = flat.get(kind)
-            if is_flat is None:
-                is_flat = flat[kind] = self.graph.flat(kind)
-            if not is_flat:
-                private[wid, agent] = mass
-                shared[agent] = shared.get(agent, 0.0) + mass
+        for (_, agent), mass in private.items():
+            shared[agent] = shared.get(agent, 0.0) + mass
         return private, shared
 
     def _to_groups(
