@@ -1,13 +1,14 @@
 """Prequential evaluation of the next-agent predictor, next to a first-order Markov baseline.
 
 Workflows arrive as they would concurrently: ``concurrency`` of them are active, served
-round-robin one call at a time, and a new one starts when one finishes. At every position of
-an active workflow (after each of its calls) both models first forecast steps 1..K, then learn
-what happened; the forecast made at a position for step k is checked against the label k
-transitions later (an agent, or ``END`` for the transition out of the last call). Steps past
-the end are not checked; neither is the first call of a workflow (nothing of it was seen yet).
-Both models start empty, so the figures over all workflows include the cold start; the second
-row of each workload counts only the checks of its second half of workflows.
+round-robin one call at a time (a fan-out's calls in the order they start, by their tool
+time), and a new one starts when one finishes. At every position of an active workflow (after
+each of its calls) both models first forecast steps 1..K, then learn what happened; the
+forecast made at a position for step k is checked against the label k transitions later (an
+agent, or ``END`` for the transition out of the last call). Steps past the end are not
+checked; neither is the first call of a workflow (nothing of it was seen yet). Both models
+start empty, so the figures over all workflows include the cold start; the second row of each
+workload counts only the checks of its second half of workflows.
 
 The baseline counts agent -> next label per workflow type and rolls the transition matrix
 forward (``END`` absorbing): the marginal's most likely label at each step. After an agent it
@@ -46,7 +47,7 @@ from rich.table import Table
 from policyd.arguments import fraction_list, int_list
 from policyd.predictor import END, START, Predictor
 from policyd.traces.whowhen import whowhen_workload
-from policyd.workload import Call, Workload
+from policyd.workload import Call, Workload, arrival_order
 from policyd.workloads.pbkv import code_writing, fact_checking, financial
 
 WHOWHEN = Path(__file__).resolve().parents[2] / "shared" / "traces" / "who_and_when_captainagent"
@@ -156,17 +157,19 @@ Event = tuple[Call, int, bool]  # a call, the calls before it, whether it is the
 
 def interleave(workload: Workload, concurrency: int) -> Iterator[Event]:
     """The workload's calls in the order ``concurrency`` round-robin workflows issue them, each
-    stream's end right after its last call (``(last call, calls, True)``)."""
-    streams = iter(workload.streams)
+    stream's end right after its last call (``(last call, calls, True)``). A fan-out's calls
+    come in the order they start (``arrival_order``: by their tool time), as a server sees
+    them, not in the order the generator wrote them."""
+    streams = map(arrival_order, workload.streams)
     active: list[tuple[Sequence[Call], int]] = []
     exhausted = False
     while True:
         while not exhausted and len(active) < concurrency:
-            stream = next(streams, None)
-            if stream is None:
+            arriving = next(streams, None)
+            if arriving is None:
                 exhausted = True
-            elif stream:
-                active.append((stream, 0))
+            elif arriving:
+                active.append((arriving, 0))
         if not active:
             return
         still: list[tuple[Sequence[Call], int]] = []

@@ -88,6 +88,32 @@ class Workload:
         return sum(len(c.block_hashes) for s in self.streams for c in s)
 
 
+def arrival_order(stream: Stream) -> list[Call]:
+    """The stream's calls in the order they start. A step (a call and the ``parallel`` calls
+    after it) is issued at once and each of its calls starts ``gap_s`` later (its own tool
+    time; the stream's first call at once), so a fan-out's calls start in the order of their
+    gaps, ties in stream order - as the simulator issues them. A stream without fan-outs is
+    its own arrival order.
+
+    >>> calls = [Call("w", a, (), 0, gap_s=g, parallel=p)
+    ...          for a, g, p in (("plan", 0.0, False), ("x", 0.9, False), ("y", 0.2, True))]
+    >>> [c.agent for c in arrival_order(calls)]
+    ['plan', 'y', 'x']
+    """
+    steps: list[list[Call]] = []
+    for call in stream:
+        if call.parallel and steps:
+            steps[-1].append(call)
+        else:
+            steps.append([call])
+    first = stream[0] if stream else None
+    return [
+        call
+        for step in steps
+        for call in sorted(step, key=lambda c: 0.0 if c is first else c.gap_s)
+    ]
+
+
 def sequential(calls: Iterable[Call], name: str = "sequential") -> Workload:
     """Every call its own stream: with concurrency 1 the simulator replays them in order."""
     return Workload(name=name, streams=[(c,) for c in calls])

@@ -639,6 +639,24 @@ def test_interleave_round_robins_and_ends_each_stream_once() -> None:
     ]
 
 
+def test_interleave_gives_a_fan_outs_calls_in_the_order_they_start() -> None:
+    """A step's calls start ``gap_s`` after it is issued (as the simulator issues them), so the
+    predictor meets a fan-out in the order of the tool times, not the generator's."""
+
+    def call(agent: str, gap_s: float, parallel: bool) -> Call:
+        return Call("w", agent, (), 0, gap_s=gap_s, parallel=parallel)
+
+    stream = [
+        call("plan", 0.0, False),
+        call("a", 0.7, False),
+        call("b", 0.1, True),
+        call("c", 0.4, True),
+        call("end", 0.0, False),
+    ]
+    order = [(c.agent, pos) for c, pos, ended in interleave(Workload("x", [stream]), 1)]
+    assert order == [("plan", 0), ("b", 1), ("c", 2), ("a", 3), ("end", 4), ("end", 5)]
+
+
 def test_prequential_evaluation_beats_markov_on_fact_checking() -> None:
     result = evaluate(fact_checking(seed=0, workflows=150), Predictor(k=3), concurrency=16)
     assert result.ours.all.checked[0] == result.markov.all.checked[0] > 1000
