@@ -11,9 +11,16 @@ checks are kept in a window of (label, guess) pairs and fed to the River metric 
 only the last ``window`` of them, since the older ones would have left its window anyway. It
 reads the same as a metric updated at every check.
 
-Drift: one ``drift.ADWIN`` per workflow type watches the 0/1 stream of step-1 top-1 errors.
-ADWIN also fires when the error *falls* (the model got better); ``Tracker.check`` reports a
-drift only when the error rose, which is when the predictor must forget.
+Drift: one ``drift.ADWIN`` per workflow type watches step 1's *surprise*: the top-1 error less
+the error the forecast itself expected (1 - the probability it gave its guess), mapped to
+[0, 1]. A workflow whose next agent is a coin flip (a fan-out's calls start in the order their
+tool calls finish) errs half the time and says so: no surprise, so no drift, however that
+share of such positions shifts. A structure that changed makes a confident forecast wrong:
+surprise, then drift. (Watching the plain 0/1 error, ADWIN read the financial crew's
+fan-outs as 49 drifts in 1,000 stationary workflows, each one forgetting what the predictor
+had learnt; docs/RESULTS.md, *Fan-outs in arrival order*.) ADWIN also fires when the surprise
+*falls* (the model got better); ``Tracker.check`` reports a drift only when it rose, which is
+when the predictor must forget.
 """
 
 from __future__ import annotations
@@ -86,9 +93,10 @@ class Tracker:
         if dist:
             alive = forecast.alive[i]
             agent = max(dist, key=dist.__getitem__)
-            guess = agent if alive * dist[agent] >= 1.0 - alive else END
+            sure = alive * dist[agent]  # the probability the forecast gives its guess
+            guess, sure = (agent, sure) if sure >= 1.0 - alive else (END, 1.0 - alive)
         else:
-            guess = END
+            guess, sure = END, 1.0
         self._window[i].append((label, guess))
         self._unread[i] += 1
         self.checked[i] += 1
@@ -109,7 +117,8 @@ class Tracker:
         if detector is None:
             detector = self.detectors[kind] = drift.ADWIN(delta=self.drift_delta)  # type: ignore[no-untyped-call]
         before = detector.estimation
-        detector.update(float(guess != label))  # type: ignore[no-untyped-call]
+        surprise = float(guess != label) - (1.0 - sure)  # in [-1, 1]; ~0 while calibrated
+        detector.update((1.0 + surprise) / 2.0)  # type: ignore[no-untyped-call]
         if detector.drift_detected and detector.estimation > before:
             self.drifts[kind] = self.drifts.get(kind, 0) + 1
             return True
