@@ -8,7 +8,7 @@ from typing import ClassVar
 import msgspec
 import pytest
 
-from policyd.engine import EngineState
+from policyd.engine import Engine, EngineState
 from policyd.policies.agentkv import AgentKV
 from policyd.policies.base import Ordering, Policy
 from policyd.policies.pbkv import RETIRED_SCORE
@@ -18,10 +18,12 @@ from policyd.types import (
     SNAPSHOT_CODEC,
     BlocksStored,
     PolicySnapshot,
+    RequestStarted,
     ScoredBlocks,
+    WorkflowFinished,
 )
 from policyd.workloads import make_workload
-from tests.test_agentkv import finish, press, start, trained
+from tests.test_agentkv import Clock, finish, press, start, trained
 
 
 def _scores(groups: tuple[ScoredBlocks, ...] | None) -> dict[int, float]:
@@ -98,6 +100,72 @@ def test_admission_values_a_prompt_in_the_host_ranking() -> None:
     ahead = policy._reuse_value("live", "planner", engine.state)
     assert both is not None and steps is not None and ahead is not None
     assert both == pytest.approx(steps + ahead) and ahead > 0
+
+
+BASE = {"quick": 50_000, "slow": 60_000}  # each workflow's private blocks start there
+
+
+def _solo_pool(**params: object) -> tuple[Engine, AgentKV]:
+    """Scenario: a flat type (one agent per workflow, like the SWE-bench pool): 30 finished
+    workflows of four calls, then two live ones - "quick" calling every 5 s, "slow" every
+    30 s - each prompt one block longer than the workflow's previous one."""
+    policy = AgentKV(min_observations=0, min_accuracy=0.0, host_blocks=100, **params)  # type: ignore[arg-type]
+    clock = Clock()
+    engine = Engine(policy, clock=clock)
+
+    def call(wid: str, base: int, n: int) -> None:
+        rid = f"{wid}.{n}"
+        blocks = tuple(range(base, base + n + 2))
+        engine.apply_event(
+            RequestStarted(
+                ts=clock.now,
+                request_id=rid,
+                workflow_id=wid,
+                agent="solver",
+                workflow_type="solo",
+                block_hashes=blocks,
+                prompt_tokens=16 * len(blocks),
+            )
+        )
+        finish(engine, clock, rid, blocks)
+
+    for w in range(30):
+        for n in range(4):
+            clock.now += 10.0
+            call(f"done{w}", 10_000 + 100 * w, n)
+        engine.apply_event(WorkflowFinished(ts=clock.now, workflow_id=f"done{w}"))
+    for n in range(3):
+        call("slow", BASE["slow"], n)
+        for i in range(6):
+            clock.now += 5.0
+            call("quick", BASE["quick"], 6 * n + i)
+    return engine, policy
+
+
+def _private(groups: tuple[ScoredBlocks, ...] | None, wid: str) -> list[float]:
+    """The distinct scores of ``wid``'s private blocks."""
+    return sorted({s for b, s in _scores(groups).items() if BASE[wid] <= b < BASE[wid] + 100})
+
+
+def test_in_a_flat_type_the_host_keeps_the_workflow_that_calls_again_sooner() -> None:
+    """A single-agent type's lookahead is only survival, which the forecast cannot tell apart
+    (it orders the tier by noise); the host order uses the workflow's pace instead: steps
+    (1 for both) + 1 / (1 + its time between calls / the pool's mean). The GPU order does not
+    change, and without ``host_pace`` the host order is steps + lookahead again."""
+    engine, policy = _solo_pool()
+    assert policy.graph.flat("solo")
+    snap = engine.snapshot()
+    quick, slow = policy.pace("quick"), policy.pace("slow")
+    assert 0.0 < slow < 0.5 < quick < 1.0
+    assert _private(snap.host_scores, "quick") == pytest.approx([1.0 + quick])
+    assert _private(snap.host_scores, "slow") == pytest.approx([1.0 + slow])
+    assert policy._reuse_value("quick", "solver", engine.state) == pytest.approx(1.0 + quick)
+    engine, unpaced = _solo_pool(host_pace=False)
+    plain = engine.snapshot()
+    assert _scores(plain.scores) == _scores(snap.scores)
+    ahead = unpaced._reuse_value("quick", "solver", engine.state)
+    assert ahead is not None and ahead > 1.0 + quick  # 1 + the survival mass
+    assert _private(plain.host_scores, "quick") == pytest.approx([ahead])
 
 
 def test_bad_host_parameters_are_refused() -> None:

@@ -42,7 +42,9 @@ their sum the host tier), and a host-tier write filter that generalises Efficien
   by equals evicts each copy just before its reuse; a stable set is reused every round. Why
   only then: in a tier that is not thrashing, a stale copy would outrank fresher equals
   (SWE-bench pool, 32 agents, the recommended tier: 24% more recomputed tokens with the bonus
-  always on).
+  always on). In a flat type (one agent per workflow: a coding-agent pool) the sum takes the
+  workflow's ``pace`` in place of the lookahead, which there is only a survival forecast
+  without skill (``host_pace``, ``_paced``; docs/RESULTS.md, *The host tier ordered by pace*).
 * Host tier admission, per request on the synchronous path (``admit``, see its docstring): a
   write into free space, or one that displaces only blocks ranked below the request's own
   prompt, is always made (it cannot cost a hit the tier would otherwise have); a finished
@@ -129,6 +131,7 @@ class AgentKV(PBKV):
         referee_min_samples: int = 32,
         host_ranking: str = "both",
         host_residency_bonus: float = 0.2,
+        host_pace: bool = True,
     ) -> None:
         super().__init__(
             k=k,
@@ -162,6 +165,7 @@ class AgentKV(PBKV):
             raise ValueError(f"host_residency_bonus must be >= 0, got {host_residency_bonus}")
         self.host_ranking = host_ranking
         self.host_residency_bonus = host_residency_bonus
+        self.host_pace = host_pace  # flat types: the host sums steps and pace, not lookahead
         self.max_new_blocks = kappa_chunks * (chunk_tokens // BLOCK_SIZE_TOKENS)
         self.theta = theta
         self.min_reuse = min_reuse
@@ -333,25 +337,80 @@ class AgentKV(PBKV):
         steps = self._values(state, lookahead=False)
         ahead = self._values(state, lookahead=True)
         both = (_added(steps[0], ahead[0]), _added(steps[1], ahead[1]))
+        paced = self._paced(steps, ahead, state)
         if self._ties_by_lookahead():
             steps = _tie_broken(steps, self._structured(ahead, state))
         rankings = {"steps": steps, "lookahead": ahead, "both": both}
+        host = rankings[self.host_ranking] if paced is None else paced
         if self.virtual is not None:
             by_name = {name: self._to_groups(values, state) for name, values in rankings.items()}
             for name, ranked in by_name.items():
                 self.virtual.rescore(name, self._tier_scores(ranked))
             self.ranking = self._judged(self.virtual.best())
-            self._host_groups = by_name[self.host_ranking]
+            self._host_groups = (
+                by_name[self.host_ranking] if paced is None else self._to_groups(host, state)
+            )
             return by_name[self.ranking]
         self._publish(state, {name: values[0] for name, values in rankings.items()})
         self.ranking = self._judged(self.referee.best())
         groups = self._to_groups(rankings[self.ranking], state)
         self._host_groups = (
             groups
-            if self.host_ranking == self.ranking
-            else self._to_groups(rankings[self.host_ranking], state)
+            if paced is None and self.host_ranking == self.ranking
+            else self._to_groups(host, state)
         )
         return groups
+
+    def _paced(
+        self,
+        steps: tuple[dict[Key, float], dict[str, float]],
+        ahead: tuple[dict[Key, float], dict[str, float]],
+        state: EngineState,
+    ) -> tuple[dict[Key, float], dict[str, float]] | None:
+        """The host ranking ``both`` with, in flat types (one agent per workflow), the
+        workflow's pace in place of its lookahead; None when that changes nothing (no host
+        tier, ``host_pace`` off, another host ranking, no flat type live).
+
+        Why: in a flat type the lookahead is only the forecast's survival mass, and the
+        forecast of a workflow's end has no skill there (step-1 cross-entropy 0.118 against the
+        base rate's 0.116 on the SWE-bench pool, 0.122 / 0.116 against 0.122 / 0.112 on the
+        coding pool): it orders the tier by noise. The pace is what sets a host copy's reuse
+        distance (EfficientAgent's model: the references that come between, about the pool's
+        reference rate times the time until reuse), so the tier keeps the prompts of the
+        workflows that call again soonest. The shared prefixes of flat types take ``steps``
+        alone: every live call references them, so they stay on the GPU and a host copy of
+        them is the least useful (docs/RESULTS.md, *The host tier ordered by pace*)."""
+        if not self.host_pace or self.host_ranking != "both" or self.working_set.host_blocks <= 0:
+            return None
+        workflows = state.workflows
+        flat = {
+            wid
+            for wid, _ in steps[0]
+            if wid in workflows and self.graph.flat(workflows[wid].workflow_type)
+        }
+        if not flat:
+            return None
+        structured = self._structured(ahead, state)
+        private = _added(steps[0], structured[0])
+        for key in steps[0]:
+            if key[0] in flat:
+                private[key] += self.pace(key[0])
+        return private, _added(steps[1], structured[1])
+
+    def pace(self, workflow_id: str) -> float:
+        """How soon the workflow calls again, against the pool: ``1 / (1 + its smoothed time
+        between calls / the pool's mean)``, in (0, 1); 1/2 for an average or unknown one.
+
+        >>> policy = AgentKV()
+        >>> policy._mean_interval_s = 10.0
+        >>> policy._interval_s.update({"quick": 5.0, "slow": 30.0})
+        >>> policy.pace("quick"), policy.pace("slow"), policy.pace("new")
+        (0.6666666666666666, 0.25, 0.5)
+        """
+        mean = self._mean_interval_s
+        if mean <= 0.0:
+            return 0.5
+        return 1.0 / (1.0 + self._interval_s.get(workflow_id, mean) / mean)
 
     def _judged(self, best: str) -> str:
         """The GPU ranking: the referee's ``best``, or the one ``gpu_ranking`` holds fixed (an
@@ -513,7 +572,9 @@ class AgentKV(PBKV):
             return None
         ranking = "steps" if self.degraded else self.host_ranking
         ahead = 0.0
-        if ranking != "steps":
+        if ranking == "both" and self.host_pace and self.graph.flat(wf.workflow_type):
+            ahead = self.pace(workflow_id)  # the host tier's order there (``_paced``)
+        elif ranking != "steps":
             forecast = self._forecast(workflow_id)
             if forecast is None:
                 if ranking == "lookahead":
