@@ -52,6 +52,24 @@ def finish(engine: Engine, clock: Clock, rid: str, blocks: tuple[int, ...]) -> N
     engine.apply_event(RequestFinished(ts=clock.now, request_id=rid))
 
 
+def solo_call(
+    engine: Engine, clock: Clock, rid: str, wid: str, *, kind: str, blocks: tuple[int, ...]
+) -> None:
+    """A call of a single-agent ("solver") workflow of type ``kind``, finished at once."""
+    engine.apply_event(
+        RequestStarted(
+            ts=clock.now,
+            request_id=rid,
+            workflow_id=wid,
+            agent="solver",
+            workflow_type=kind,
+            block_hashes=blocks,
+            prompt_tokens=16 * len(blocks) + 1,
+        )
+    )
+    finish(engine, clock, rid, blocks)
+
+
 def trained(host_blocks: int = 100, **params: object) -> tuple[Engine, AgentKV, Clock]:
     """Scenario: workflows of one type run planner -> coder -> planner -> end, 10 s apart."""
     policy = AgentKV(min_observations=0, min_accuracy=0.0, host_blocks=host_blocks, **params)  # type: ignore[arg-type]
@@ -299,22 +317,10 @@ def test_a_flat_types_steps_keep_recency_as_their_tie_break() -> None:
     for w in range(12):
         for step in range(3 if w % 2 else 1):
             clock.now += 1.0
-            rid, wid = f"w{w}.{step}", f"w{w}"
             blocks = (1000 * w + step,)
-            engine.apply_event(
-                RequestStarted(
-                    ts=clock.now,
-                    request_id=rid,
-                    workflow_id=wid,
-                    agent="solver",
-                    workflow_type="pool",
-                    block_hashes=blocks,
-                    prompt_tokens=17,
-                )
-            )
-            finish(engine, clock, rid, blocks)
+            solo_call(engine, clock, f"w{w}.{step}", f"w{w}", kind="pool", blocks=blocks)
         if w < 10:
-            engine.apply_event(WorkflowFinished(ts=clock.now, workflow_id=wid))
+            engine.apply_event(WorkflowFinished(ts=clock.now, workflow_id=f"w{w}"))
     assert policy.graph.flat("pool")
     scores = {b: g.score for g in engine.snapshot().scores for b in g.block_hashes}
     assert not policy.degraded and scores[10000] == scores[11002] == 1.0

@@ -18,12 +18,11 @@ from policyd.types import (
     SNAPSHOT_CODEC,
     BlocksStored,
     PolicySnapshot,
-    RequestStarted,
     ScoredBlocks,
     WorkflowFinished,
 )
 from policyd.workloads import make_workload
-from tests.test_agentkv import Clock, finish, press, start, trained
+from tests.test_agentkv import Clock, finish, press, solo_call, start, trained
 
 
 def _scores(groups: tuple[ScoredBlocks, ...] | None) -> dict[int, float]:
@@ -114,20 +113,8 @@ def _solo_pool(**params: object) -> tuple[Engine, AgentKV]:
     engine = Engine(policy, clock=clock)
 
     def call(wid: str, base: int, n: int) -> None:
-        rid = f"{wid}.{n}"
         blocks = tuple(range(base, base + n + 2))
-        engine.apply_event(
-            RequestStarted(
-                ts=clock.now,
-                request_id=rid,
-                workflow_id=wid,
-                agent="solver",
-                workflow_type="solo",
-                block_hashes=blocks,
-                prompt_tokens=16 * len(blocks),
-            )
-        )
-        finish(engine, clock, rid, blocks)
+        solo_call(engine, clock, f"{wid}.{n}", wid, kind="solo", blocks=blocks)
 
     for w in range(30):
         for n in range(4):
