@@ -382,18 +382,15 @@ class AgentKV(PBKV):
         them is the least useful (docs/RESULTS.md, *The host tier ordered by pace*)."""
         if not self.host_pace or self.host_ranking != "both" or self.working_set.host_blocks <= 0:
             return None
-        workflows = state.workflows
-        flat = {
-            wid
-            for wid, _ in steps[0]
-            if wid in workflows and self.graph.flat(workflows[wid].workflow_type)
-        }
+        workflows = state.workflows  # (the steps' keys are active workflows')
+        kinds = {workflows[wid].workflow_type for wid, _ in steps[0]}
+        flat = {kind for kind in kinds if self.graph.flat(kind)}
         if not flat:
             return None
         structured = self._structured(ahead, state)
         private = _added(steps[0], structured[0])
         for key in steps[0]:
-            if key[0] in flat:
+            if workflows[key[0]].workflow_type in flat:
                 private[key] += self.pace(key[0])
         return private, _added(steps[1], structured[1])
 
