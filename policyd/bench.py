@@ -146,13 +146,13 @@ STREAM_PARAMS = {
 
 def default_loader(seed: int, streams: int | None = None) -> WorkloadLoader:
     """A generator by name (seeded, ``streams`` streams when given), else a real trace by path
-    (``policyd.traces``)."""
+    (``policyd.traces``), its workflows in recorded order at seed 0 and shuffled by any other."""
 
     def load(name: str) -> Workload:
         if name in WORKLOADS:
             params = {STREAM_PARAMS[name]: streams} if streams and name in STREAM_PARAMS else {}
             return make_workload(name, seed=seed, **params)
-        return load_trace(name)
+        return load_trace(name, seed=seed)
 
     return load
 
@@ -523,9 +523,14 @@ def plot_versus(by_seed: Mapping[int, Sequence[Report]], path: str, command: str
         color="#cfd8e3",
         label="seed means (vs the best mean)",
     )
-    for seed in by_seed:
+    many = len(by_seed) > 10  # (one colour each would fill the legend: one marker for all)
+    for i, seed in enumerate(by_seed):
         ys = [summaries[p].ratios.get(seed, float("nan")) for p in points]
-        ax.plot(xs, ys, "o", label=f"seed {seed}")
+        if many:
+            label = f"each of the {len(by_seed)} seeds" if i == 0 else None
+            ax.plot(xs, ys, "o", color="#4c72b0", alpha=0.5, label=label)
+        else:
+            ax.plot(xs, ys, "o", label=f"seed {seed}")
     intervals = [(x, summaries[p].interval()) for x, p in zip(xs, points, strict=True)]
     shown = [(x, i) for x, i in intervals if i is not None]
     if shown:
@@ -539,7 +544,9 @@ def plot_versus(by_seed: Mapping[int, Sequence[Report]], path: str, command: str
             label="paired ratio to the best mean, 95% CI",
         )
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(list(xs), [f"{w}\nC={c}, host {h:,}" for w, c, _, h in points], fontsize=7)
+    ax.set_xticks(
+        list(xs), [f"{_wrapped(w)}\nC={c}, host {h:,}" for w, c, _, h in points], fontsize=7
+    )
     ax.set_ylabel("agentkv hit rate / best baseline's")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the data
@@ -547,6 +554,16 @@ def plot_versus(by_seed: Mapping[int, Sequence[Report]], path: str, command: str
     fig.suptitle("\n".join(textwrap.wrap(command, int(width * 16))), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _wrapped(workload: str, width: int = 20) -> str:
+    """A workload's name on lines of about ``width`` (a trace's is its format and path).
+
+    >>> print(_wrapped("who-and-when:who_and_when_captainagent"))
+    who-and-when:
+    who_and_when_captainagent
+    """
+    return "\n".join(textwrap.wrap(workload.replace(":", ": "), width, break_long_words=False))
 
 
 def reports_from_json(path: str) -> tuple[dict[int, list[Report]], str]:
@@ -610,8 +627,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--seed",
         type=int_list(),
         default=[0],
-        help="comma-separated: every point is run once per seed (its own generated workloads); "
-        "with several, a table over the seeds follows",
+        help="comma-separated: every point is run once per seed (its own generated workloads; "
+        "a trace's workflows in another order of arrival, 0 the recorded one); with several, a "
+        "table over the seeds follows",
     )
     p.add_argument("--json", metavar="PATH")
     p.add_argument(

@@ -90,7 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="h200-llama3.1-8b",
         help="hardware profile of the cost model",
     )
-    bench.add_argument("--seed", type=int, default=0, help="workload generator seed")
+    bench.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="workload generator seed (a trace: its workflows in another order; 0 as recorded)",
+    )
     bench.add_argument(
         "--noise",
         type=_fractions,

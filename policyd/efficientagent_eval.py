@@ -117,7 +117,7 @@ def run(args: argparse.Namespace, console: Console) -> tuple[list[Row], dict[str
             limit=args.limit,
             decode_tokens_per_s=1.0 / profile.decode_s_per_token,
             progress=progress,
-        )
+        ).reordered(args.seed)
         base = SimConfig(
             concurrency=args.agents,
             gpu_blocks=args.gpu_blocks,
@@ -325,6 +325,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", type=Path, default=SWE_ARCHIVE, help="mini-swe-agent trajectories")
     p.add_argument("--limit", type=int, default=None, help="first N trajectories only")
     p.add_argument("--agents", type=int, default=32, help="concurrent agents in the pool")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="order in which the trajectories join the pool: 0 as read, another seed shuffled",
+    )
     p.add_argument("--profile", default="h200-llama3.1-8b", help="hardware profile")
     p.add_argument("--gpu-blocks", type=int, default=8192, help="GPU tier, blocks (8,192 = 16 GiB)")
     p.add_argument(

@@ -15,6 +15,7 @@ blocks the call's output completes, which vLLM also caches and a later prompt ma
 from __future__ import annotations
 
 import hashlib
+import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -86,6 +87,23 @@ class Workload:
     @property
     def block_refs(self) -> int:
         return sum(len(c.block_hashes) for s in self.streams for c in s)
+
+    def reordered(self, seed: int) -> Workload:
+        """The same streams in another order of arrival: seed 0 keeps the recorded order,
+        any other seed shuffles it (reproducibly). For a trace whose streams are independent
+        workflows (SWE-bench trajectories, group chats), whose order in the file says nothing
+        about when they ran: several orders measure how much a comparison owes to one of them.
+
+        >>> w = Workload("w", [(Call("a", "x", (), 0),), (Call("b", "x", (), 0),),
+        ...                    (Call("c", "x", (), 0),)])
+        >>> [s[0].workflow_id for s in w.reordered(0)], [s[0].workflow_id for s in w.reordered(1)]
+        (['a', 'b', 'c'], ['b', 'c', 'a'])
+        """
+        if seed == 0:
+            return self
+        streams = list(self.streams)
+        random.Random(seed).shuffle(streams)
+        return Workload(self.name, streams, f"{self.description} (order: seed {seed})".lstrip())
 
 
 def arrival_order(stream: Stream) -> list[Call]:

@@ -13,6 +13,7 @@ import policyd.policies.referee
 import policyd.policies.stepgraph
 import policyd.policies.virtual
 import policyd.types
+import policyd.workload
 
 
 @pytest.mark.parametrize(
@@ -24,6 +25,7 @@ import policyd.types
         policyd.policies.stepgraph,
         policyd.policies.virtual,
         policyd.types,
+        policyd.workload,
     ],
     ids=lambda module: module.__name__,
 )

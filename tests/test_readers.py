@@ -510,6 +510,25 @@ def test_load_trace_detects_each_format(tmp_path) -> None:
     assert set(READERS) == {"swe", "who-and-when", "mooncake", "calls"}
 
 
+def test_a_seed_replays_a_traces_workflows_in_another_order_and_loses_none() -> None:
+    def order(workload: Workload) -> list[str]:
+        return [stream[0].workflow_id for stream in workload.streams]
+
+    recorded = load_trace(SWE_EXCERPT)
+    assert load_trace(SWE_EXCERPT, seed=0).streams == recorded.streams
+    orders = {seed: order(load_trace(SWE_EXCERPT, seed=seed)) for seed in range(1, 6)}
+    assert any(o != order(recorded) for o in orders.values())
+    assert all(sorted(o) == sorted(order(recorded)) for o in orders.values())
+    by_id = {stream[0].workflow_id: stream for stream in recorded.streams}
+    for stream in load_trace(SWE_EXCERPT, seed=3).streams:  # each workflow's calls untouched
+        assert stream == by_id[stream[0].workflow_id]
+    assert order(load_trace(SWE_EXCERPT, seed=3)) == orders[3]  # reproducible
+    # single requests in time order have no order of workflows to change
+    with pytest.raises(ValueError, match="recorded time order"):
+        load_trace(MOONCAKE_EXCERPT, seed=1)
+    assert load_trace(MOONCAKE_EXCERPT, seed=0).calls == 9
+
+
 def test_load_trace_rejects_what_it_cannot_read(tmp_path) -> None:
     other = tmp_path / "x.jsonl"
     other.write_text('{"timestamp": 1}\n', encoding="utf-8")

@@ -33,6 +33,9 @@ class TraceReader:
     name: str
     load: Callable[[Path], Workload]
     help: str
+    # its streams are independent workflows, in an order that says nothing about when they ran
+    # (a seed may reorder them); False: one request per stream in recorded time order
+    workflows: bool = True
 
 
 READERS: dict[str, TraceReader] = {
@@ -40,7 +43,7 @@ READERS: dict[str, TraceReader] = {
     for r in (
         TraceReader("swe", swe_workload, "mini-swe-agent *.traj.json (file, directory, tar)"),
         TraceReader("who-and-when", whowhen_workload, "Who&When group chats (.json, directory)"),
-        TraceReader("mooncake", mooncake_workload, "Mooncake JSONL with hash_ids"),
+        TraceReader("mooncake", mooncake_workload, "Mooncake JSONL with hash_ids", False),
         TraceReader("calls", calls_workload, f"AgentKV call trace JSONL ({CALLS_FORMAT})"),
     )
 }
@@ -89,8 +92,10 @@ def detect_format(path: str | Path) -> str:
     )
 
 
-def load_trace(path: str | Path, format: str | None = None) -> Workload:
-    """The workload of the trace at ``path``, read by ``format`` or the detected reader."""
+def load_trace(path: str | Path, format: str | None = None, *, seed: int = 0) -> Workload:
+    """The workload of the trace at ``path``, read by ``format`` or the detected reader; with
+    a ``seed`` other than 0 its workflows arrive in another order (``Workload.reordered``). A
+    trace of single requests in time order (Mooncake) has no such order: a seed is refused."""
     name = format or detect_format(path)
     try:
         reader = READERS[name]
@@ -98,7 +103,12 @@ def load_trace(path: str | Path, format: str | None = None) -> Workload:
         raise ValueError(
             f"unknown trace format {name!r}; valid formats: {', '.join(sorted(READERS))}"
         ) from None
-    return reader.load(Path(path))
+    if seed and not reader.workflows:
+        raise ValueError(
+            f"{path}: a {name} trace is single requests in recorded time order; it cannot be "
+            f"replayed in another order (seed {seed}): replay it with seed 0"
+        )
+    return reader.load(Path(path)).reordered(seed)
 
 
 __all__ = [
