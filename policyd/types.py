@@ -197,6 +197,14 @@ class PolicySnapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``default_score``): what is worth a host copy is not what is worth a GPU slot (a block the
     GPU keeps needs no copy; one it drops next is the copy's use). ``None`` (the default):
     ``scores`` orders both tiers.
+
+    ``inherit_scores``: a block stored after this snapshot that ``scores`` does not name (a
+    call's output, the new part of a prompt) takes, until a snapshot names it, the score of the
+    nearest named block before it in the request that stored it, instead of ``default_score``:
+    the policy could not name a block that did not exist yet, and a call's new blocks are worth
+    what its prompt is worth. It applies to the GPU order; a score-ordered GPU tier (the
+    simulator's) follows it. vLLM's GPU tier keeps its LRU among unpinned blocks, where fresh
+    blocks are the most recent anyway.
     """
 
     version: int
@@ -210,6 +218,7 @@ class PolicySnapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pin: tuple[int, ...] = ()
     stage: tuple[int, ...] = ()
     host_scores: tuple[ScoredBlocks, ...] | None = None
+    inherit_scores: bool = False
 
 
 # ---- the codec ---------------------------------------------------------------------------------

@@ -193,6 +193,56 @@ def test_the_simulator_orders_the_host_tier_by_host_scores_when_given(host: bool
     assert sim.host.queue.pop_head() == (2 if host else 1)
 
 
+class Fresh(Policy):
+    """Blocks 1-3 (a prompt) at 5, block 9 (another workflow's) at 1; ``inherit`` as given."""
+
+    name: ClassVar[str] = "fresh"
+    ordering: ClassVar[Ordering] = "snapshot"
+
+    def __init__(self, inherit: bool) -> None:
+        self.inherit = inherit
+
+    def snapshot(
+        self, state: EngineState, *, now: float, version: int, ttl_s: float
+    ) -> PolicySnapshot:
+        scores = (ScoredBlocks(5.0, (1, 2, 3)), ScoredBlocks(1.0, (9,)))
+        return PolicySnapshot(
+            version=version,
+            ts=now,
+            ttl_s=ttl_s,
+            policy=self.name,
+            scores=scores,
+            inherit_scores=self.inherit,
+        )
+
+
+@pytest.mark.parametrize("inherit", [True, False])
+def test_blocks_stored_between_snapshots_take_their_prompts_score_when_asked(inherit: bool) -> None:
+    work = make_workload("code-writing", seed=0, workflows=1)
+    sim = Simulator(work, Fresh(inherit), SimConfig(gpu_blocks=4096, host_blocks=16))
+    sim._apply_snapshot()
+    # a call's output (4, 5) after its prompt (1, 2, 3); 7 follows a prompt nobody named
+    sim._inherit([4, 5], before=[1, 2, 3])
+    sim._inherit([7], before=[6])
+    sim.gpu.queue.push_many([4, 5, 7, 9])
+    sim.host.queue.push_many([4, 9])
+    evicted = sim.gpu.queue.pop_many(4)
+    # inherited, the output outranks the lower-scored prompt 9; else it goes first (default 0)
+    assert evicted == ([7, 9, 4, 5] if inherit else [4, 5, 7, 9])
+    assert sim.host.queue.pop_head() == 4  # the host order is the snapshot's own: no inheritance
+
+
+def test_agentkv_asks_for_inherited_scores_only_where_it_scores_outputs() -> None:
+    for params, expected in [
+        ({}, True),
+        ({"inherit_scores": False}, False),
+        ({"score_outputs": False}, False),
+    ]:
+        policy = AgentKV(**params)
+        snap = policy.snapshot(EngineState(), now=0.0, version=1, ttl_s=5.0)
+        assert snap.inherit_scores is expected, params
+
+
 def test_the_codec_carries_host_scores_and_reads_snapshots_without_them() -> None:
     snap = PolicySnapshot(
         version=3,
@@ -208,3 +258,6 @@ def test_the_codec_carries_host_scores_and_reads_snapshots_without_them() -> Non
         (PROTOCOL_VERSION, {"version": 1, "ts": 0.0, "ttl_s": 5.0, "policy": "pbkv"})
     )
     assert SNAPSHOT_CODEC.decode(old).host_scores is None
+    assert SNAPSHOT_CODEC.decode(old).inherit_scores is False
+    asks = msgspec.structs.replace(snap, inherit_scores=True)
+    assert SNAPSHOT_CODEC.decode(SNAPSHOT_CODEC.encode(asks)) == asks

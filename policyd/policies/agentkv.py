@@ -28,6 +28,12 @@ their sum the host tier), and a host-tier write filter that generalises Efficien
   changes when calls arrive, which no copy sees (docs/RESULTS.md, *virtual tiers*).
   ``gpu_ranking`` holds one ranking through a run and ``score_outputs=False`` leaves the output
   blocks unscored, for experiments (both measured in docs/RESULTS.md, not better).
+* Between snapshots, the blocks a call stores (its output, the new part of its prompt) take
+  its prompt's score on the GPU (``inherit_scores``, ``PolicySnapshot.inherit_scores``), not
+  the default below every live prompt: a tool call's gap is often shorter than the snapshot
+  interval, and a call's output, left at the default, is the first thing a contended GPU
+  evicts, though the next call starts with it (on the large host tier of the SWE-bench pool the
+  output is the only part of the next prompt the host does not hold).
 * Graceful degradation: while the predictor is degraded (too few calls, rolling accuracy below
   ``min_accuracy``) only ``steps`` is published, never worse than recency on an unknown graph.
 * Host tier eviction: its own order, published as the snapshot's ``host_scores``: the sum of
@@ -132,6 +138,7 @@ class AgentKV(PBKV):
         host_ranking: str = "both",
         host_residency_bonus: float = 0.2,
         host_pace: bool = True,
+        inherit_scores: bool = True,
     ) -> None:
         super().__init__(
             k=k,
@@ -188,6 +195,9 @@ class AgentKV(PBKV):
         self.referee_kind = referee
         self.gpu_ranking = gpu_ranking  # "referee": its choice; a ranking's name: that one always
         self.score_outputs = score_outputs  # False: outputs left unscored, as PBKV leaves them
+        # blocks stored between snapshots take their request's score on the GPU (with outputs
+        # scored): PolicySnapshot.inherit_scores
+        self.inherit_scores = inherit_scores
         # within a steps class: "lookahead" first, or "recency" only; "auto": the lookahead
         # without a host tier, recency with one (the host is ordered by the lookahead's sum)
         self.steps_ties = steps_ties
@@ -233,7 +243,11 @@ class AgentKV(PBKV):
             mode="conditioned", max_new_blocks=self.max_new_blocks, pressure=pressure
         )
         return msgspec.structs.replace(
-            snap, scores=gpu_scores, host_scores=host_scores, write_filter=write_filter
+            snap,
+            scores=gpu_scores,
+            host_scores=host_scores,
+            write_filter=write_filter,
+            inherit_scores=self.inherit_scores and self.score_outputs,
         )
 
     def _resident_first(

@@ -202,7 +202,9 @@ class Simulator:
         self._snapshot = snap
         self._scores = score_map(snap.scores)
         self._host_scores = (
-            self._scores if snap.host_scores is None else score_map(snap.host_scores)
+            (dict(self._scores) if snap.inherit_scores else self._scores)  # (GPU order only)
+            if snap.host_scores is None
+            else score_map(snap.host_scores)
         )
         for queue in (self.gpu.queue, self.host.queue):
             if isinstance(queue, KeyedQueue):
@@ -394,7 +396,7 @@ class Simulator:
             load_start = max(now, self._h2d_free_s)
             load_end = self._h2d_free_s = load_start + load_bytes / profile.h2d_bytes_per_s
         # vLLM caches a request's blocks when it is scheduled: later admissions hit them
-        self._cache_gpu(req, blocks[gpu_hit:])
+        self._cache_gpu(req, blocks[gpu_hit:], blocks[:gpu_hit])
         if host_hit:  # what the GPU now holds of the loaded run (all of it in shared space)
             refs = gpu.refs
             loaded = tuple(b for b in blocks[gpu_hit : gpu_hit + host_hit] if b in refs)
@@ -420,7 +422,9 @@ class Simulator:
             )
         self._at(req.prefill_end_s, _PREFILLED, req)
 
-    def _cache_gpu(self, req: _Req, blocks: Sequence[int]) -> None:
+    def _cache_gpu(self, req: _Req, blocks: Sequence[int], before: Sequence[int]) -> None:
+        """Cache ``blocks`` on the GPU for ``req`` (``before``: its blocks that precede them)."""
+        self._inherit(blocks, before)
         cached, evicted = self.gpu.commit(blocks, req.held)
         if self.config.running_space == "shared":
             req.scratch -= len(cached)
@@ -433,6 +437,21 @@ class Simulator:
                     ts=self.now, tier="gpu", block_hashes=tuple(cached), request_id=req.rid
                 )
             )
+
+    def _inherit(self, blocks: Sequence[int], before: Sequence[int]) -> None:
+        """``PolicySnapshot.inherit_scores``: each of ``blocks`` the GPU order does not name
+        takes the score of the nearest named block before it (until the next snapshot)."""
+        snap = self._snapshot
+        if snap is None or not snap.inherit_scores or not blocks:
+            return
+        scores = self._scores
+        score = next((scores[b] for b in reversed(before) if b in scores), None)
+        for block in blocks:
+            named = scores.get(block)
+            if named is not None:
+                score = named
+            elif score is not None:
+                scores[block] = score
 
     def _offered(self, req: _Req) -> Sequence[int]:
         """What vLLM's offloading scheduler offers to the host tier for this request: every
@@ -501,7 +520,7 @@ class Simulator:
         if self.audit is not None:
             self.audit.finished(req.rid)
         if req.output_blocks:
-            self._cache_gpu(req, req.output_blocks)
+            self._cache_gpu(req, req.output_blocks, req.call.block_hashes)
         if self.host.capacity_blocks:
             # the offloading manager re-ranks the request's keys at finish, tail first
             # (the loaded keys and the offered ones), tail first
