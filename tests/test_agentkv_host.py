@@ -162,65 +162,59 @@ def test_bad_host_parameters_are_refused() -> None:
         AgentKV(host_residency_bonus=-0.1)
 
 
-class TwoOrders(Policy):
-    """Block 1 first out of the GPU, block 2 first out of the host (``host`` False: one
-    order for both tiers, as every policy but agentkv publishes)."""
+class Published(Policy):
+    """Publishes the same snapshot every time: ``scores``, ``host_scores``, ``inherit``."""
 
-    name: ClassVar[str] = "two-orders"
+    name: ClassVar[str] = "published"
     ordering: ClassVar[Ordering] = "snapshot"
 
-    def __init__(self, host: bool) -> None:
-        self.host = host
+    def __init__(
+        self,
+        scores: tuple[ScoredBlocks, ...],
+        host_scores: tuple[ScoredBlocks, ...] | None = None,
+        inherit: bool = False,
+    ) -> None:
+        self.scores, self.host_scores, self.inherit = scores, host_scores, inherit
 
     def snapshot(
         self, state: EngineState, *, now: float, version: int, ttl_s: float
     ) -> PolicySnapshot:
-        scores = (ScoredBlocks(1.0, (1,)), ScoredBlocks(2.0, (2,)))
-        host = (ScoredBlocks(2.0, (1,)), ScoredBlocks(1.0, (2,))) if self.host else None
         return PolicySnapshot(
-            version=version, ts=now, ttl_s=ttl_s, policy=self.name, scores=scores, host_scores=host
+            version=version,
+            ts=now,
+            ttl_s=ttl_s,
+            policy=self.name,
+            scores=self.scores,
+            host_scores=self.host_scores,
+            inherit_scores=self.inherit,
         )
+
+
+def _simulator(policy: Policy, host_blocks: int) -> Simulator:
+    work = make_workload("code-writing", seed=0, workflows=1)
+    sim = Simulator(work, policy, SimConfig(gpu_blocks=4096, host_blocks=host_blocks))
+    sim._apply_snapshot()
+    return sim
 
 
 @pytest.mark.parametrize("host", [True, False])
 def test_the_simulator_orders_the_host_tier_by_host_scores_when_given(host: bool) -> None:
-    work = make_workload("code-writing", seed=0, workflows=1)
-    sim = Simulator(work, TwoOrders(host), SimConfig(gpu_blocks=4096, host_blocks=2))
-    sim._apply_snapshot()
+    # block 1 first out of the GPU, block 2 first out of the host (``host`` False: one order
+    # for both tiers, as every policy but agentkv publishes)
+    scores = (ScoredBlocks(1.0, (1,)), ScoredBlocks(2.0, (2,)))
+    host_scores = (ScoredBlocks(2.0, (1,)), ScoredBlocks(1.0, (2,))) if host else None
+    sim = _simulator(Published(scores, host_scores), host_blocks=2)
     sim.gpu.queue.push_many([1, 2])
     sim.host.queue.push_many([1, 2])
     assert sim.gpu.queue.pop_head() == 1
     assert sim.host.queue.pop_head() == (2 if host else 1)
 
 
-class Fresh(Policy):
-    """Blocks 1-3 (a prompt) at 5, block 9 (another workflow's) at 1; ``inherit`` as given."""
-
-    name: ClassVar[str] = "fresh"
-    ordering: ClassVar[Ordering] = "snapshot"
-
-    def __init__(self, inherit: bool) -> None:
-        self.inherit = inherit
-
-    def snapshot(
-        self, state: EngineState, *, now: float, version: int, ttl_s: float
-    ) -> PolicySnapshot:
-        scores = (ScoredBlocks(5.0, (1, 2, 3)), ScoredBlocks(1.0, (9,)))
-        return PolicySnapshot(
-            version=version,
-            ts=now,
-            ttl_s=ttl_s,
-            policy=self.name,
-            scores=scores,
-            inherit_scores=self.inherit,
-        )
-
-
 @pytest.mark.parametrize("inherit", [True, False])
 def test_blocks_stored_between_snapshots_take_their_prompts_score_when_asked(inherit: bool) -> None:
-    work = make_workload("code-writing", seed=0, workflows=1)
-    sim = Simulator(work, Fresh(inherit), SimConfig(gpu_blocks=4096, host_blocks=16))
-    sim._apply_snapshot()
+    # blocks 1-3 (a prompt) at 5, block 9 (another workflow's) at 1, one order for both tiers
+    scores = (ScoredBlocks(5.0, (1, 2, 3)), ScoredBlocks(1.0, (9,)))
+    sim = _simulator(Published(scores, inherit=inherit), host_blocks=16)
     # a call's output (4, 5) after its prompt (1, 2, 3); 7 follows a prompt nobody named
     sim._inherit([4, 5], before=[1, 2, 3])
     sim._inherit([7], before=[6])
@@ -233,14 +227,13 @@ def test_blocks_stored_between_snapshots_take_their_prompts_score_when_asked(inh
 
 
 def test_agentkv_asks_for_inherited_scores_only_where_it_scores_outputs() -> None:
-    for params, expected in [
-        ({}, True),
-        ({"inherit_scores": False}, False),
-        ({"score_outputs": False}, False),
+    for policy, expected in [
+        (AgentKV(), True),
+        (AgentKV(inherit_scores=False), False),
+        (AgentKV(score_outputs=False), False),
     ]:
-        policy = AgentKV(**params)
         snap = policy.snapshot(EngineState(), now=0.0, version=1, ttl_s=5.0)
-        assert snap.inherit_scores is expected, params
+        assert snap.inherit_scores is expected
 
 
 def test_the_codec_carries_host_scores_and_reads_snapshots_without_them() -> None:
