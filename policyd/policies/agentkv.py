@@ -396,9 +396,8 @@ class AgentKV(PBKV):
         them is the least useful (docs/RESULTS.md, *The host tier ordered by pace*)."""
         if not self.host_pace or self.host_ranking != "both" or self.working_set.host_blocks <= 0:
             return None
-        workflows = state.workflows  # (the steps' keys are active workflows')
-        kinds = {workflows[wid].workflow_type for wid, _ in steps[0]}
-        flat = {kind for kind in kinds if self.graph.flat(kind)}
+        workflows = state.workflows
+        flat = self._flat_types(steps[0], state)
         if not flat:
             return None
         structured = self._structured(ahead, state)
@@ -508,9 +507,8 @@ class AgentKV(PBKV):
         ranking's tie-break): in a flat type (single-agent workflows) the steps ranking is
         recency, which stays one of the referee's choices (with a host tier, recency is what
         the coding pool's GPU tier needs: docs/RESULTS.md, *steps tie-broken*)."""
-        workflows = state.workflows  # (the lookahead's keys are active workflows')
-        kinds = {workflows[wid].workflow_type for wid, _ in ahead[0]}
-        flat = {kind for kind in kinds if self.graph.flat(kind)}
+        workflows = state.workflows
+        flat = self._flat_types(ahead[0], state)
         if not flat:
             return ahead
         private = {
@@ -522,6 +520,13 @@ class AgentKV(PBKV):
         for (_, agent), mass in private.items():
             shared[agent] = shared.get(agent, 0.0) + mass
         return private, shared
+
+    def _flat_types(self, private: Mapping[Key, float], state: EngineState) -> set[str]:
+        """The types of the workflows keyed in ``private`` (active ones) whose learned graph
+        is flat (``StepGraph.flat``)."""
+        workflows = state.workflows
+        kinds = {workflows[wid].workflow_type for wid, _ in private}
+        return {kind for kind in kinds if self.graph.flat(kind)}
 
     def _to_groups(
         self, values: tuple[dict[Key, float], dict[str, float]], state: EngineState
