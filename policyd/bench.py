@@ -566,16 +566,47 @@ def _wrapped(workload: str, width: int = 20) -> str:
     return "\n".join(textwrap.wrap(workload.replace(":", ": "), width, break_long_words=False))
 
 
-def reports_from_json(path: str) -> tuple[dict[int, list[Report]], str]:
-    """The reports of a stored ``--json`` run by seed, and the command that made it.
+def reports_from_jsons(paths: Sequence[str]) -> tuple[dict[int, list[Report]], str]:
+    """The reports by seed of runs stored with ``--json``, and the command that made them:
+    one run, or several of the same points with other seeds (e.g. seeds 0-9 and 10-19 run
+    apart) read as one, their commands joined by ``&&``.
 
-    Rows without a seed (a single-seed run) take the spec's. Raises ``ValueError`` naming
-    ``path`` for a file that is not such a run."""
+    Raises ``ValueError`` naming the file for one that is not such a run, for runs whose
+    settings differ (anything but the seeds: their points, policies or generated workloads'
+    size would be mixed) and for a seed in two of them."""
+    merged: dict[int, list[Report]] = {}
+    commands: list[str] = []
+    first: tuple[str, dict[str, Any]] | None = None
+    where: dict[int, str] = {}
+    for path in paths:
+        by_seed, command, spec = _stored_run(path)
+        if first is None:
+            first = path, spec
+        elif spec != first[1]:
+            keys = sorted(
+                k for k in spec.keys() | first[1].keys() if spec.get(k) != first[1].get(k)
+            )
+            raise ValueError(
+                f"{path}: not runs of the same points as {first[0]} (differs in "
+                f"{', '.join(keys)}); only runs that differ in their seeds are read as one"
+            )
+        for seed, reports in by_seed.items():
+            if seed in merged:
+                raise ValueError(f"{path}: seed {seed} is in {where[seed]} too")
+            merged[seed], where[seed] = reports, path
+        commands.append(command)
+    return merged, " && ".join(commands)
+
+
+def _stored_run(path: str) -> tuple[dict[int, list[Report]], str, dict[str, Any]]:
+    """A stored run's reports by seed (rows without a seed, a single-seed run's, take the
+    spec's), its command and its settings but the seed."""
     try:
         with open(path, encoding="utf-8") as f:
             payload = json.load(f)
         rows = payload["results"]
-        spec_seed = payload.get("spec", {}).get("seed", 0)
+        spec = dict(payload.get("spec", {}))
+        spec_seed = spec.pop("seed", 0)
         default_seed = spec_seed if isinstance(spec_seed, int) else 0
         fields = {f.name for f in dataclasses.fields(Report)}
         by_seed: dict[int, list[Report]] = {}
@@ -589,7 +620,7 @@ def reports_from_json(path: str) -> tuple[dict[int, list[Report]], str]:
         raise ValueError(f"{path}: not a bench JSON (--json output): {e!r:.120}") from e
     if not by_seed:
         raise ValueError(f"{path}: no results in it")
-    return by_seed, command
+    return by_seed, command, spec
 
 
 def _print_seed(console: Console, reports: Sequence[Report], title: str) -> None:
@@ -637,8 +668,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument(
         "--from-json",
-        metavar="PATH",
-        help="print the tables of a run stored with --json instead of running (and --plot it)",
+        metavar="PATH[,PATH...]",
+        help="print the tables of a run stored with --json instead of running (and --plot it); "
+        "several runs of the same points with other seeds are read as one",
     )
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -651,7 +683,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "--from-json re-reads a stored run: it takes no --json, --workload, --concurrency"
             )
         try:
-            by_seed, command = reports_from_json(args.from_json)
+            by_seed, command = reports_from_jsons([p for p in args.from_json.split(",") if p])
         except ValueError as e:
             p.error(str(e))
         profile = next(iter(by_seed.values()))[0].profile

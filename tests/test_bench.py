@@ -207,6 +207,50 @@ def test_python_m_bench_reprints_a_stored_run_from_its_json(tmp_path, capsys):
     assert "over 2 seeds (0, 1)" in again
 
 
+def test_python_m_bench_reads_runs_of_other_seeds_as_one_and_refuses_unlike_runs(tmp_path, capsys):
+    argv = ["--workload", "code-writing", "--policies", "lru,agentkv", "--concurrency", "4"]
+    argv += ["--streams", "6", "--gpu-blocks", "3000", "--host-blocks", "0", "--no-progress"]
+    both, first, second = (tmp_path / f"{name}.json" for name in ("both", "first", "second"))
+    assert bench_main([*argv, "--seed", "0,1", "--json", str(both)]) == 0
+    assert bench_main([*argv, "--seed", "0", "--json", str(first)]) == 0
+    assert bench_main([*argv, "--seed", "1", "--json", str(second)]) == 0
+    capsys.readouterr()
+
+    def over_seeds(text: str) -> list[str]:  # the table over the seeds: title and rows
+        lines = text.splitlines()
+        start = next(i for i, line in enumerate(lines) if "over 2 seeds" in line)
+        return [lines[start], *(line for line in lines[start:] if "│ code-writ" in line)]
+
+    assert bench_main(["--from-json", str(both)]) == 0
+    one_run = capsys.readouterr().out
+    assert bench_main(["--from-json", f"{first},{second}"]) == 0
+    two_runs = capsys.readouterr().out
+    assert over_seeds(two_runs) == over_seeds(one_run)
+    assert "over 2 seeds (0, 1)" in two_runs
+    words = " ".join(two_runs.split())  # (a long command wraps)
+    assert f"--seed 0 --json {first} && " in words  # both commands reproduce it
+    assert f"--seed 1 --json {second}" in words
+
+    # a seed read twice, or a run of other settings, would mix what is not one run
+    for paths, message in (
+        (f"{first},{both}", "seed 0 is in"),
+        (f"{second},{first},{second}", "seed 1 is in"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            bench_main(["--from-json", paths])
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err
+    other = tmp_path / "other.json"
+    argv[argv.index("3000")] = "2000"
+    assert bench_main([*argv, "--seed", "1", "--json", str(other)]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        bench_main(["--from-json", f"{first},{other}"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "not runs of the same points" in err and "gpu_blocks" in err
+
+
 def test_python_m_bench_from_json_refuses_what_is_not_a_stored_run(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     for content in ("{not json", '{"results": [{"policy": "lru"}]}', '{"results": []}', "[]"):
