@@ -682,8 +682,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(
                 "--from-json re-reads a stored run: it takes no --json, --workload, --concurrency"
             )
+        paths = [path for path in args.from_json.split(",") if path]
+        if not paths:
+            p.error("--from-json takes a path, or several separated by commas")
         try:
-            by_seed, command = reports_from_jsons([p for p in args.from_json.split(",") if p])
+            by_seed, command = reports_from_jsons(paths)
         except ValueError as e:
             p.error(str(e))
         profile = next(iter(by_seed.values()))[0].profile

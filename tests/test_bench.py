@@ -249,6 +249,10 @@ def test_python_m_bench_reads_runs_of_other_seeds_as_one_and_refuses_unlike_runs
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "not runs of the same points" in err and "gpu_blocks" in err
+    with pytest.raises(SystemExit) as exc:
+        bench_main(["--from-json", ","])
+    assert exc.value.code == 2
+    assert "takes a path" in capsys.readouterr().err
 
 
 def test_python_m_bench_from_json_refuses_what_is_not_a_stored_run(tmp_path, capsys):
