@@ -368,6 +368,7 @@ def predictor_variants(
     beams: Sequence[int] | None,
     refreshes: Sequence[int] | None,
     alias_shares: Sequence[float] | None = None,
+    min_branches: Sequence[float] | None = None,
 ) -> list[tuple[str, dict[str, Any]]]:
     """(label, Predictor options) for every combination of the values given; the label names
     only the options given (empty when nothing is varied). An alias share of 0 is "never".
@@ -376,14 +377,20 @@ def predictor_variants(
     [('refresh=16', {'refresh': 16}), ('refresh=64', {'refresh': 64})]
     >>> predictor_variants(None, None, [0.5, 0.0])
     [('alias_share=0.5', {'alias_share': 0.5}), ('alias_share=never', {'alias_share': None})]
+    >>> predictor_variants([2], None, None, [0.05])
+    [('beam=2 min_branch=0.05', {'beam': 2, 'min_branch': 0.05})]
     >>> predictor_variants(None, None)
     [('', {})]
     """
     variants: list[tuple[str, dict[str, Any]]] = []
     unset: list[Any] = [None]
-    for beam, refresh, share in product(beams or unset, refreshes or unset, alias_shares or unset):
+    for beam, refresh, share, floor in product(
+        beams or unset, refreshes or unset, alias_shares or unset, min_branches or unset
+    ):
         options: dict[str, Any] = {
-            key: value for key, value in (("beam", beam), ("refresh", refresh)) if value is not None
+            key: value
+            for key, value in (("beam", beam), ("refresh", refresh), ("min_branch", floor))
+            if value is not None
         }
         if share is not None:
             options["alias_share"] = share or None
@@ -421,6 +428,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="continuations expanded per roll-out step; a list as for --refresh",
     )
     parser.add_argument(
+        "--min-branch",
+        type=fraction_list(),
+        help="least probability of a continuation the roll-out expands; a list as for --refresh",
+    )
+    parser.add_argument(
         "--alias-share",
         type=fraction_list(),
         help="share of a workflow type's recent workflows bringing a new agent name past which "
@@ -440,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[Result] = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as progress:
-        variants = predictor_variants(args.beam, args.refresh, args.alias_share)
+        variants = predictor_variants(args.beam, args.refresh, args.alias_share, args.min_branch)
         total = len(variants) * sum(w.calls + len(w.streams) for w in workloads)
         task = progress.add_task("events", total=total)
         for name, workload in zip(names, workloads, strict=True):

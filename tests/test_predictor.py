@@ -727,6 +727,12 @@ def test_eval_runs_predictor_variants_side_by_side(capsys: pytest.CaptureFixture
     assert predictor_eval.main([*argv, "--alias-share", "0.5,0"]) == 0
     out = capsys.readouterr().out
     assert "financial alias_share=0.5" in out and "financial alias_share=never" in out
+    assert predictor_eval.main([*argv, "--min-branch", "0.05,0.3"]) == 0
+    out = capsys.readouterr().out
+    assert "financial min_branch=0.05" in out and "financial min_branch=0.3" in out
+    with pytest.raises(SystemExit):
+        predictor_eval.main([*argv, "--min-branch", "1.5"])
+    assert "fractions in [0, 1]" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         predictor_eval.main([*argv, "--refresh", "sixteen"])
     assert "expected comma-separated integers" in capsys.readouterr().err
