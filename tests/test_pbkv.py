@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -126,3 +127,18 @@ def test_pbkv_beats_lru_past_the_knee_on_code_writing():
     assert lru.gpu_evicted_blocks > 0
     assert pbkv.hit_rate > lru.hit_rate
     assert pbkv.hit_rate <= belady.hit_rate + 0.02
+
+
+def test_the_predictors_branching_floor_is_a_policy_parameter() -> None:
+    """``pbkv[min_branch=...]`` and ``agentkv[min_branch=...]`` (bench variants) build their
+    predictor with that floor; an impossible one is refused."""
+    from policyd.bench import policy_variant  # noqa: PLC0415
+    from policyd.policies import make_policy  # noqa: PLC0415
+
+    for label in ("pbkv[min_branch=0.2]", "agentkv[min_branch=0.2]"):
+        name, params = policy_variant(label)
+        policy = make_policy(name, **params)
+        assert isinstance(policy, PBKV) and policy.predictor.min_branch == 0.2
+    assert PBKV().predictor.min_branch == 0.05
+    with pytest.raises(ValueError, match="min_branch"):
+        PBKV(min_branch=2.0)

@@ -432,6 +432,29 @@ def test_a_fan_outs_arrival_order_is_no_drift() -> None:
     assert stats["accuracy"][0] > 0.74  # (0.719 while it forgot)
 
 
+def test_the_branching_floor_drops_unlikely_continuations_from_later_steps() -> None:
+    """``min_branch``: a step-1 branch less likely than the floor is not rolled out, so what
+    only it leads to is missing from step 2; above the floor it is there, with its mass. (Step
+    1 differs in the last digits only: the roll-outs refresh cached count views at other
+    times.)"""
+
+    def trained(min_branch: float) -> Predictor:
+        predictor = Predictor(k=2, min_branch=min_branch)
+        for w in range(200):  # start -> a, then b 85% / c 15%; b -> x, c -> y
+            rare = w % 20 < 3
+            for ts, agent in enumerate(["a", "c" if rare else "b", "y" if rare else "x"]):
+                predictor.observe_call(f"w{w}", "t", agent, {}, float(ts))
+            predictor.observe_finished(f"w{w}")
+        predictor.observe_call("new", "t", "a", {}, 0.0)
+        return predictor
+
+    low, high = trained(0.05).predict("new"), trained(0.2).predict("new")
+    assert 0.05 < low.agents[0]["c"] < 0.2
+    assert high.agents[0] == pytest.approx(low.agents[0], abs=1e-3)
+    assert low.agents[1].get("y", 0.0) > 0.05
+    assert high.agents[1].get("y", 0.0) < 0.01 and high.agents[1]["x"] > 0.95
+
+
 def test_work_per_forecast_is_bounded_by_the_beam() -> None:
     """Count-based cost: every forecast evaluates the one-step model at most 1 + beam * (k - 1)
     times, however long the stream; the per-type cache and the active set stay bounded."""
@@ -616,6 +639,8 @@ def test_invalid_use_is_refused() -> None:
         predictor.observe_call("w", "t", END, {}, 0.0)
     with pytest.raises(ValueError, match="noise"):
         Predictor(noise=1.5)
+    with pytest.raises(ValueError, match="min_branch"):
+        Predictor(min_branch=-0.1)
     with pytest.raises(ValueError, match="alias_share"):
         Predictor(alias_share=0.0)
     with pytest.raises(ValueError, match="alias_after"):

@@ -118,6 +118,7 @@ class AgentKV(PBKV):
         noise: float = 0.0,
         seed: int = 0,
         predictor: Predictor | None = None,
+        min_branch: float = 0.05,
         kappa_chunks: int = 8,
         chunk_tokens: int = 1024,
         theta: float = 0.95,
@@ -149,6 +150,7 @@ class AgentKV(PBKV):
             noise=noise,
             seed=seed,
             predictor=predictor,
+            min_branch=min_branch,
         )
         if kappa_chunks < 0:
             raise ValueError(f"kappa_chunks must be >= 0, got {kappa_chunks}")

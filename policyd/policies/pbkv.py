@@ -57,6 +57,7 @@ class PBKV(ScoredPolicy):
         noise: float = 0.0,
         seed: int = 0,
         predictor: Predictor | None = None,
+        min_branch: float = 0.05,
     ) -> None:
         if not 0.0 < discount <= 1.0:
             raise ValueError(f"discount must be in (0, 1], got {discount}")
@@ -65,7 +66,7 @@ class PBKV(ScoredPolicy):
         self.min_accuracy = min_accuracy
         self.min_observations = min_observations
         self.prefetch_min_probability = prefetch_min_probability
-        self.predictor = predictor or Predictor(k=k, noise=noise, seed=seed)
+        self.predictor = predictor or Predictor(k=k, noise=noise, seed=seed, min_branch=min_branch)
         self.retired: set[int] = set()
         self.calls_seen = 0
         self.degraded = False

@@ -290,6 +290,8 @@ class Predictor:
             raise ValueError(f"k must be at least 1, got {k}")
         if not 0.0 <= noise <= 1.0:
             raise ValueError(f"noise must be in [0, 1], got {noise}")
+        if not 0.0 <= min_branch <= 1.0:
+            raise ValueError(f"min_branch must be in [0, 1], got {min_branch}")
         if max_candidates < 2:
             raise ValueError(f"max_candidates must be at least 2, got {max_candidates}")
         if alias_share is not None and not 0.0 < alias_share <= 1.0:
