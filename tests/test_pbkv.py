@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from policyd.engine import Engine
 from policyd.policies.pbkv import PBKV, RETIRED_SCORE
+from policyd.predictor import Predictor
 from policyd.sim.replay import SimConfig, simulate
 from policyd.types import BlocksStored, RequestFinished, RequestStarted, WorkflowFinished
 from policyd.workloads import make_workload
@@ -139,6 +140,6 @@ def test_the_predictors_branching_floor_is_a_policy_parameter() -> None:
         name, params = policy_variant(label)
         policy = make_policy(name, **params)
         assert isinstance(policy, PBKV) and policy.predictor.min_branch == 0.2
-    assert PBKV().predictor.min_branch == 0.05
+    assert PBKV().predictor.min_branch == Predictor().min_branch  # the same default
     with pytest.raises(ValueError, match="min_branch"):
         PBKV(min_branch=2.0)

@@ -76,7 +76,7 @@ from policyd.policies.pbkv import PBKV
 from policyd.policies.referee import RankingReferee
 from policyd.policies.stepgraph import StepGraph
 from policyd.policies.virtual import VirtualReferee
-from policyd.predictor import Predictor
+from policyd.predictor import MIN_BRANCH, Predictor
 from policyd.types import (
     BLOCK_SIZE_TOKENS,
     Admit,
@@ -118,7 +118,7 @@ class AgentKV(PBKV):
         noise: float = 0.0,
         seed: int = 0,
         predictor: Predictor | None = None,
-        min_branch: float = 0.05,
+        min_branch: float = MIN_BRANCH,
         kappa_chunks: int = 8,
         chunk_tokens: int = 1024,
         theta: float = 0.95,

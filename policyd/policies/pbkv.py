@@ -27,7 +27,7 @@ from typing import ClassVar
 
 from policyd.engine import EngineState
 from policyd.policies.base import Ordering, ScoredPolicy
-from policyd.predictor import END, Forecast, Predictor
+from policyd.predictor import END, MIN_BRANCH, Forecast, Predictor
 from policyd.types import (
     BlocksRemoved,
     Event,
@@ -57,7 +57,7 @@ class PBKV(ScoredPolicy):
         noise: float = 0.0,
         seed: int = 0,
         predictor: Predictor | None = None,
-        min_branch: float = 0.05,
+        min_branch: float = MIN_BRANCH,
     ) -> None:
         if not 0.0 < discount <= 1.0:
             raise ValueError(f"discount must be in (0, 1], got {discount}")

@@ -12,6 +12,6 @@
 """
 
 from policyd.predictor.forecast import END, START, Forecast
-from policyd.predictor.fusion import Predictor
+from policyd.predictor.fusion import MIN_BRANCH, Predictor
 
-__all__ = ["END", "START", "Forecast", "Predictor"]
+__all__ = ["END", "MIN_BRANCH", "START", "Forecast", "Predictor"]

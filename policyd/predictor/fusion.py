@@ -52,6 +52,7 @@ from policyd.predictor.tracking import Tracker
 from policyd.types import HintValue
 
 EXPERTS = ("markov", "copy", "context")
+MIN_BRANCH = 0.05  # the roll-out's default branching floor (``Predictor``'s ``min_branch``)
 OTHER = "other"  # the copy expert's label for "not one of the recent agents"
 _RANKS = tuple(f"r{j}" for j in range(1, RANKS + 1))  # its labels for the recent agents
 
@@ -266,7 +267,7 @@ class Predictor:
         order: int = 3,
         max_candidates: int = 4,
         beam: int = 2,
-        min_branch: float = 0.05,
+        min_branch: float = MIN_BRANCH,
         refresh: int = 16,
         max_cache: int = 20_000,
         max_paths: int = 256,
