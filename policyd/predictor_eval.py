@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import json
 import shlex
 import statistics
 import sys
@@ -45,7 +47,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from policyd.arguments import fraction_list, int_list
-from policyd.predictor import END, START, Predictor
+from policyd.predictor import BUILD, END, START, Predictor
 from policyd.traces.whowhen import whowhen_workload
 from policyd.workload import Call, Workload, arrival_order
 from policyd.workloads.pbkv import code_writing, fact_checking, financial
@@ -213,8 +215,11 @@ def evaluate(
     *,
     concurrency: int = 16,
     advance: Callable[[], None] = lambda: None,
+    digest: Any = None,
 ) -> Result:
-    """Prequential run of ``predictor`` and the Markov baseline over ``workload``."""
+    """Prequential run of ``predictor`` and the Markov baseline over ``workload``; every
+    forecast, exactly (``repr`` of its floats), updates ``digest`` if one is given (a
+    ``hashlib`` object), outside the timings."""
     k = predictor.k
     ours, markov = Scorer(k), Scorer(k)
     baseline = MarkovBaseline(k)
@@ -239,6 +244,8 @@ def evaluate(
             predict_ns += spent
             forecasts += 1
             ours.forecast(wid, pos, [forecast.top(s) for s in range(1, k + 1)])
+            if digest is not None:
+                digest.update(repr((forecast.agents, forecast.alive)).encode())
         ours.truth(wid, pos, label, late)
         markov.truth(wid, pos, label, late)
         baseline.learn(kind, last.get(wid, START), label)
@@ -401,6 +408,22 @@ def predictor_variants(
     return variants
 
 
+def result_record(r: Result, k: int, digest: str) -> dict[str, Any]:
+    """What ``--json`` writes of one result (``policyd.predictor_builds`` reads it)."""
+    return {
+        "name": r.name,
+        "build": BUILD,
+        "checked": r.ours.all.checked[0],
+        "ours": [r.ours.all.accuracy(s) for s in range(1, k + 1)],
+        "markov": [r.markov.all.accuracy(s) for s in range(1, k + 1)],
+        "calls": len(r.cost_us),
+        "mean_us": statistics.fmean(r.cost_us) if r.cost_us else float("nan"),
+        "ratio": r.ratio(),
+        "reference_us": r.reference_us,
+        "forecasts": digest,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m policyd.predictor_eval",
@@ -444,12 +467,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also print the cost table: CPU µs per call (predict, learn), the reference loop "
         "timed beside every chunk of calls, the ratio, and µs at the quietest reference",
     )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        help="also write every result to this file: accuracy per step, cost, the predictor's "
+        "build (compiled or interpreted) and a SHA-256 of every forecast served",
+    )
     args = parser.parse_args(argv)
 
     console = Console(width=max(160, Console().width))
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
     workloads = [load(n, args.workflows, args.seed, args.whowhen) for n in names]
     results: list[Result] = []
+    records: list[dict[str, Any]] = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as progress:
         variants = predictor_variants(args.beam, args.refresh, args.alias_share, args.min_branch)
@@ -459,13 +489,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             for variant, options in variants:
                 progress.update(task, description=f"{name} {variant}".strip())
                 predictor = Predictor(k=args.k, noise=args.noise, seed=args.seed, **options)
+                digest = hashlib.sha256()
                 result = evaluate(
                     workload,
                     predictor,
                     concurrency=args.concurrency,
                     advance=lambda: progress.advance(task),
+                    digest=digest if args.json else None,
                 )
                 results.append(dataclasses.replace(result, name=f"{name} {variant}".strip()))
+                records.append(result_record(results[-1], args.k, digest.hexdigest()))
     console.print(table(results, args.k))
     speed = min(min(r.reference_us) for r in results)
     ours, markov = ("/".join(f"{a:.3f}" for a in accs) for accs in PAPER_FACT_CHECKING)
@@ -480,8 +513,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(cost_table(results))
         console.print(
             f"µs at min ref: x ref times the quietest reference timing of the run - the cost on "
-            f"this machine without the other jobs' interference (target {TARGET_US:.0f} µs)"
+            f"this machine without the other jobs' interference (target {TARGET_US:.0f} µs); "
+            f"the predictor's build: {BUILD} (make bench-predictor compares both)"
         )
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=1) + "\n")
     command = ["python", "-m", "policyd.predictor_eval", *(sys.argv[1:] if argv is None else argv)]
     console.print(f"reproduce: {shlex.join(command)}", soft_wrap=True)
     return 0
