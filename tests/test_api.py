@@ -90,6 +90,7 @@ def test_stats_count_what_was_sent(http: httpx.Client) -> None:
     blocks = stats["prompt_blocks"]
     assert stats["hit_ratio"]["gpu"] == pytest.approx(stats["gpu_hit_blocks"] / blocks)
     assert stats["snapshot"]["version"] >= 1
+    assert stats["predictor_build"] == "interpreted"  # make setup's editable install
 
 
 def test_ingest_history_sql_round_trip(http: httpx.Client) -> None:

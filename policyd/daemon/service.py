@@ -50,6 +50,7 @@ from policyd.history import History, HistoryConfig
 from policyd.history.process import HistoryProcess
 from policyd.mrc import GiB
 from policyd.policies import POLICIES, Policy, make_policy
+from policyd.predictor import BUILD as PREDICTOR_BUILD
 from policyd.predictor import Predictor
 from policyd.shards import Shards
 from policyd.sim.profiles import get_profile
@@ -287,11 +288,12 @@ class Service:
             self.kv_events.start()
         self._started = True
         log.info(
-            "policyd serving: events %s, snapshots %s, history %s, policy %s",
+            "policyd serving: events %s, snapshots %s, history %s, policy %s, predictor %s",
             self.events_endpoint,
             self.snapshots_endpoint,
             self.settings.db,
             self.tunables["policy"],
+            PREDICTOR_BUILD,
         )
 
     def stop(self) -> None:

@@ -13,6 +13,7 @@ from policyd.daemon.predictions import forecast_view
 from policyd.daemon.settings import tunables
 from policyd.history import run_readonly_query
 from policyd.history.schema import TABLES
+from policyd.predictor import BUILD
 
 if TYPE_CHECKING:
     from policyd.daemon.service import Service
@@ -111,6 +112,7 @@ def stats(service: Service) -> dict[str, Any]:
         "decisions": sum(service.decision_counts.values()),
         "decisions_by_kind": dict(service.decision_counts),
         "prediction_accuracy": accuracy,
+        "predictor_build": BUILD,  # "compiled" (AGENTKV_COMPILE=1 install) or "interpreted"
         # calls whose forecast the prediction log did not record: over its budget per second
         "predictions_not_logged": service.predictions.forecasts_skipped,
         "recommended_host_gib": service.sizing_view.get("recommended_host_gib"),
