@@ -18,7 +18,7 @@ from pathlib import Path
 from setuptools import Extension, setup
 
 PACKAGE = Path("policyd") / "predictor"
-SOURCES = "compiled-sources.json"  # module -> SHA-256 of the source it was compiled from
+SOURCES = "compiled-sources.json"  # as policyd.predictor.SOURCES reads it (module -> SHA-256)
 
 
 def compiled() -> list[Extension]:
@@ -30,7 +30,7 @@ def compiled() -> list[Extension]:
     digests = {p.stem: hashlib.sha256(p.read_bytes()).hexdigest() for p in modules}
     (PACKAGE / SOURCES).write_text(json.dumps(digests, indent=1, sort_keys=True) + "\n")
     # annotation_typing off: annotations stay hints, as in CPython (no C-typed arguments that
-    # would refuse what the interpreter accepts); the speed comes from compiling the bytecode
+    # would refuse what the interpreter accepts); the speed is the interpreter's dispatch gone
     extensions: list[Extension] = cythonize(
         [Extension(f"policyd.predictor.{p.stem}", [str(p)]) for p in modules],
         build_dir="build/cython",  # (the generated C, out of the package)
