@@ -32,6 +32,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from policyd.predictor import compiled_modules
 from policyd.predictor_eval import TARGET_US, WHOWHEN, WORKLOADS
 
 BUILDS = ("interpreted", "compiled")
@@ -138,8 +139,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     install = args.install.resolve()
-    if not (install / "policyd" / "predictor" / "__init__.py").exists():
+    package = install / "policyd" / "predictor"
+    if not (package / "__init__.py").exists():
         parser.error(f"{install} holds no install of policyd")
+    compiled, stale = compiled_modules(package)
+    if not compiled:
+        parser.error(
+            f"{install} is not compiled (no extension modules in {package}): build it with "
+            "AGENTKV_COMPILE=1 pip install --no-deps --target DIR ."
+        )
+    if stale:
+        parser.error(f"{install}: {', '.join(stale)} changed since compiled: build it again")
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = sorted(set(workloads) - set(WORKLOADS))
     if unknown:

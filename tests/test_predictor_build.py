@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from policyd import predictor_builds
 from policyd.predictor import SOURCES, compiled_modules
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,6 +105,21 @@ def test_agentkv_interpreted_runs_the_source_of_an_up_to_date_build(copied: Path
     assert done.returncode == 0, done.stderr
     assert "warned" not in done.stdout
     assert f"interpreted {package / 'fusion.py'}" in done.stdout
+
+
+def test_the_side_by_side_bench_refuses_an_install_that_is_not_compiled(
+    copied: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        predictor_builds.main([str(copied)])
+    assert exit_.value.code == 2
+    assert "is not compiled (no extension modules" in capsys.readouterr().err
+    package = copied / "policyd" / "predictor"
+    (package / f"fusion{EXTENSION_SUFFIXES[0]}").write_bytes(b"not a shared object")
+    with pytest.raises(SystemExit) as exit_:
+        predictor_builds.main([str(copied)])
+    assert exit_.value.code == 2
+    assert "fusion changed since compiled: build it again" in capsys.readouterr().err
 
 
 CHECKPOINT = """
