@@ -489,16 +489,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             for variant, options in variants:
                 progress.update(task, description=f"{name} {variant}".strip())
                 predictor = Predictor(k=args.k, noise=args.noise, seed=args.seed, **options)
-                digest = hashlib.sha256()
+                digest = hashlib.sha256() if args.json else None
                 result = evaluate(
                     workload,
                     predictor,
                     concurrency=args.concurrency,
                     advance=lambda: progress.advance(task),
-                    digest=digest if args.json else None,
+                    digest=digest,
                 )
                 results.append(dataclasses.replace(result, name=f"{name} {variant}".strip()))
-                records.append(result_record(results[-1], args.k, digest.hexdigest()))
+                if digest is not None:
+                    records.append(result_record(results[-1], args.k, digest.hexdigest()))
     console.print(table(results, args.k))
     speed = min(min(r.reference_us) for r in results)
     ours, markov = ("/".join(f"{a:.3f}" for a in accs) for accs in PAPER_FACT_CHECKING)
