@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Final, Protocol, TypeVar
 
 from connector import events as ev
-from connector.decisions import Ownership, SnapshotView, select_pins, write_allowed
 from connector.params import RequestTags, parse_request_tags
+from policyd.tiers.view import Ownership, SnapshotView, write_allowed
 from policyd.types import Event, PolicySnapshot
 
 log = logging.getLogger("agentkv.connector")
@@ -88,7 +88,7 @@ class ConnectorRuntime:
     def __init__(
         self,
         sink: EventSink,
-        snapshots: Callable[[], PolicySnapshot | None],
+        snapshots: Callable[[], PolicySnapshot | SnapshotView | None],
         *,
         tokens_per_block: int,
         max_pinned_blocks: int = 0,
@@ -124,7 +124,7 @@ class ConnectorRuntime:
                 self.counters.stale_fallbacks += 1
             return None
         if current is None or snap.version != current.version:
-            view = SnapshotView.of(snap)
+            view = snap if isinstance(snap, SnapshotView) else SnapshotView.of(snap)
             self._view = view
             self._retired = self.ownership.retired_blocks(view.retired_workflows)
             self.generation += 1
@@ -138,9 +138,6 @@ class ConnectorRuntime:
     @property
     def retired_blocks(self) -> frozenset[int]:
         return self._retired
-
-    def pins(self) -> list[int]:
-        return select_pins(self._view, self._retired, self.max_pinned_blocks)
 
     # -- requests ----------------------------------------------------------------------------
 

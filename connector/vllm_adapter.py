@@ -31,7 +31,7 @@ import logging
 import os
 import time
 from collections import OrderedDict, deque
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -62,9 +62,11 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from connector.copy_plan import plan_rows
 from connector.events import block_hash_int
-from connector.host_order import HostOrder
 from connector.runtime import ConnectorRuntime, Guard
 from policyd.client import DaemonClient
+from policyd.tiers.gpu import DEFAULT_PIN_FRACTION, DEFAULT_RANK_FRACTION, GpuApplier, capped
+from policyd.tiers.host_order import HostOrder
+from policyd.tiers.view import SnapshotView
 from policyd.wire import Endpoints
 
 log = logging.getLogger("agentkv.connector")
@@ -72,7 +74,7 @@ log = logging.getLogger("agentkv.connector")
 VLLM_PIN: Final = "0.32.0"
 SPEC_NAME: Final = "AgentKVSpec"
 POLICY_NAME: Final = "ScoredCachePolicy"
-DEFAULT_PIN_FRACTION: Final = 0.05  # of the GPU pool, when agentkv_max_pinned_blocks is unset
+DEFAULT_STEP_OPS: Final = 64  # pool operations per scheduler step while a plan is applied
 MAX_DIGESTS: Final = 1 << 20  # wire hash -> vLLM hash, for blocks the snapshot names
 
 
@@ -394,22 +396,15 @@ class AgentKVSpec(CPUOffloadingSpec):
 # ---- the GPU tier -----------------------------------------------------------------------------
 
 
-class GpuTier:
-    """The snapshot's GPU-side decisions, through vLLM's live ``BlockPool`` (DESIGN.md §4).
-
-    Pinning: ``touch`` the daemon's pin list (capped by the runtime; never a retired block),
-    released with ``free_blocks`` when a later snapshot drops them or the snapshot goes stale.
-    Lifecycle eviction: every *free* cached block of a retired workflow loses its hash
-    (``evict_blocks``) and moves to the head of the free queue, so its slot is reused first.
-    Blocks a running request holds are never touched.
-    """
+class VllmPool:
+    """``policyd.tiers.gpu.GpuPool`` over vLLM's live ``BlockPool``: a handle is the block's
+    ``KVCacheBlock`` in each prefix-cacheable group, found by the wire hash of a block some
+    request named (``remember``)."""
 
     def __init__(self, pool: BlockPool, group_ids: Sequence[int]) -> None:
         self.pool = pool
         self.group_ids = list(group_ids)
-        self.pinned: dict[int, list[KVCacheBlock]] = {}
         self.digests: OrderedDict[int, bytes] = OrderedDict()
-        self._applied_generation = 0
 
     def remember(self, digest: bytes) -> None:
         """Keep the wire hash -> vLLM hash mapping for blocks a snapshot may name."""
@@ -419,43 +414,100 @@ class GpuTier:
         if len(self.digests) > MAX_DIGESTS:
             self.digests.popitem(last=False)
 
-    def cached(self, block: int) -> list[KVCacheBlock]:
+    def lookup(self, block: int) -> list[KVCacheBlock] | None:
         digest = self.digests.get(block)
         if digest is None:
-            return []
-        return list(self.pool.get_cached_block(digest, self.group_ids) or ())
+            return None
+        cached: list[KVCacheBlock] | None = self.pool.get_cached_block(digest, self.group_ids)
+        return cached
+
+    def is_free(self, handle: list[KVCacheBlock]) -> bool:
+        return all(b.ref_cnt == 0 and not b.is_null for b in handle)
+
+    def touch(self, handles: Sequence[list[KVCacheBlock]]) -> None:
+        self.pool.touch([b for h in handles for b in h])
+
+    def free(self, handles: Sequence[list[KVCacheBlock]]) -> None:
+        self.pool.free_blocks([b for h in handles for b in h])
+
+    def evict(self, handles: Sequence[list[KVCacheBlock]]) -> None:
+        blocks = [b for h in handles for b in h]
+        self.pool.evict_blocks({b.block_id for b in blocks})
+        queue = self.pool.free_block_queue
+        for b in blocks:
+            queue.remove(b)
+        queue.prepend_n(blocks)  # no hash now: their slots are reused first
+
+    def to_tail(self, handles: Sequence[list[KVCacheBlock]]) -> None:
+        blocks = [b for h in handles for b in h]
+        queue = self.pool.free_block_queue
+        for b in blocks:
+            queue.remove(b)
+        queue.append_n(blocks)
+
+
+class GpuTier:
+    """The snapshot's GPU-side decisions on vLLM's live ``BlockPool``: ``policyd.tiers.gpu``'s
+    plan (retire, rank, pin), the same code the simulator runs, at most ``budget_ops`` pool
+    operations per scheduler step. Blocks a running request holds are never moved."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        group_ids: Sequence[int],
+        *,
+        max_pinned_blocks: int,
+        max_ranked_blocks: int,
+        budget_ops: int = DEFAULT_STEP_OPS,
+    ) -> None:
+        self.pool = VllmPool(pool, group_ids)
+        self.applier: GpuApplier[list[KVCacheBlock]] = GpuApplier(
+            self.pool, max_pinned_blocks=max_pinned_blocks, max_ranked_blocks=max_ranked_blocks
+        )
+        self.budget_ops = budget_ops
+        self._applied_generation = 0
+
+    @property
+    def pinned(self) -> dict[int, list[KVCacheBlock]]:
+        return self.applier.pinned
+
+    def remember(self, digest: bytes) -> None:
+        self.pool.remember(digest)
+
+    def cached(self, block: int) -> list[KVCacheBlock]:
+        return self.pool.lookup(block) or []
 
     def unpin_all(self) -> None:
-        for blocks in self.pinned.values():
-            self.pool.free_blocks(blocks)
-        self.pinned = {}
+        self.applier.release_all()
+
+    def make_room(self, request: Any, num_computed_tokens: int) -> bool:
+        """Pins never make a request wait: before vLLM allocates for a waiting request, release
+        them if its new blocks (and its prefix hit's free blocks, which leave the free queue)
+        exceed what the pool can give. The simulator applies the same rule at admission."""
+        if not self.applier.pinned:
+            return False
+        block_size = self.pool.pool.hash_block_size
+        hit_blocks = num_computed_tokens // block_size
+        need = -(-request.num_tokens // block_size) - hit_blocks
+        available = self.pool.pool.get_num_free_blocks()
+        if need + hit_blocks > available:  # cheap bound first; then count the free hits
+            for digest in request.block_hashes[:hit_blocks]:
+                cached = self.pool.pool.get_cached_block(digest, self.pool.group_ids)
+                if cached and all(b.ref_cnt == 0 for b in cached):
+                    need += 1
+        return self.applier.make_room(need, available)
 
     def apply(self, rt: ConnectorRuntime) -> list[int]:
-        """Re-pin and evict retired blocks if the runtime's view changed; the evicted blocks."""
+        """One scheduler step: adopt the runtime's view if it changed, then perform up to
+        ``budget_ops`` moves of the plan; the blocks the retire rule evicted."""
         rt.refresh()
-        if rt.generation == self._applied_generation:
+        if rt.generation != self._applied_generation:
+            self._applied_generation = rt.generation
+            self.applier.adopt(rt.view, rt.retired_blocks)
+        if not self.applier.busy:
             return []
-        self._applied_generation = rt.generation
-        wanted = set(rt.pins())
-        for block in [b for b in self.pinned if b not in wanted]:
-            self.pool.free_blocks(self.pinned.pop(block))
-        for block in wanted:
-            if block not in self.pinned:
-                cached = self.cached(block)
-                if cached:
-                    self.pool.touch(cached)
-                    self.pinned[block] = cached
-        rt.counters.gpu_pinned_blocks = len(self.pinned)
-        evicted: list[int] = []
-        for block in rt.retired_blocks:
-            free = [b for b in self.cached(block) if b.ref_cnt == 0 and not b.is_null]
-            if not free:
-                continue
-            self.pool.evict_blocks({b.block_id for b in free})
-            for b in free:
-                self.pool.free_block_queue.remove(b)
-            self.pool.free_block_queue.prepend_n(free)  # their slots are reused first
-            evicted.append(block)
+        evicted = self.applier.step(self.budget_ops)
+        rt.counters.gpu_pinned_blocks = len(self.applier.pinned)
         rt.gpu_removed(evicted)
         return evicted
 
@@ -494,26 +546,32 @@ class AgentKVConnector(OffloadingConnector):
         self._runtime: ConnectorRuntime | None = None
         self._gpu: GpuTier | None = None
         self._block_size = vllm_config.cache_config.block_size
+        self._max_ranked = 0
+        self._step_ops = DEFAULT_STEP_OPS
         self._group_ids = list(kv_cache_config.prefix_cacheable_group_ids)
         if role == KVConnectorRole.SCHEDULER:
             self._guard.call("start", lambda: self._start(extra, kv_cache_config), None)
 
     def _start(self, extra: dict[str, Any], kv_cache_config: Any) -> None:
-        pin = extra.get("agentkv_max_pinned_blocks")
-        max_pinned = (
-            int(pin) if pin is not None else int(kv_cache_config.num_blocks * DEFAULT_PIN_FRACTION)
+        pin, rank = extra.get("agentkv_max_pinned_blocks"), extra.get("agentkv_max_ranked_blocks")
+        n_blocks = kv_cache_config.num_blocks
+        max_pinned = capped(None if pin is None else int(pin), DEFAULT_PIN_FRACTION, n_blocks)
+        self._max_ranked = capped(
+            None if rank is None else int(rank), DEFAULT_RANK_FRACTION, n_blocks
         )
+        self._step_ops = int(extra.get("agentkv_step_ops", DEFAULT_STEP_OPS))
         client: DaemonClient | None = None
         if str(extra.get("agentkv_daemon", "true")).lower() not in ("0", "false", "no", "off"):
             client = DaemonClient(
                 f"vllm-{os.getpid()}",
                 _endpoints(extra),
                 queue_max_events=int(extra.get("agentkv_queue_max_events", 65536)),
+                compile_snapshot=SnapshotView.of,  # indexed on the client's thread, not vLLM's
             )
         self._client = client
         self._runtime = ConnectorRuntime(
             client if client is not None else _NullSink(),
-            client.snapshot if client is not None else _no_snapshot,
+            _views(client) if client is not None else _no_snapshot,
             tokens_per_block=self._block_size,
             max_pinned_blocks=max_pinned,
         )
@@ -521,10 +579,11 @@ class AgentKVConnector(OffloadingConnector):
         if isinstance(manager, AgentKVManager):
             manager.attach(self._runtime)
         log.info(
-            "agentkv connector (vLLM %s): daemon %s, max pinned GPU blocks %d",
+            "agentkv connector (vLLM %s): daemon %s, GPU blocks pinned <= %d, ranked <= %d",
             VLLM_PIN,
             "on" if client else "off",
             max_pinned,
+            self._max_ranked,
         )
 
     @property
@@ -535,7 +594,14 @@ class AgentKVConnector(OffloadingConnector):
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         super().bind_gpu_block_pool(gpu_block_pool)
-        self._gpu = GpuTier(gpu_block_pool, self._group_ids)
+        rt = self._runtime
+        self._gpu = GpuTier(
+            gpu_block_pool,
+            self._group_ids,
+            max_pinned_blocks=rt.max_pinned_blocks if rt is not None else 0,
+            max_ranked_blocks=self._max_ranked,
+            budget_ops=self._step_ops,
+        )
 
     def on_new_request(self, request: Any) -> None:
         super().on_new_request(request)
@@ -563,7 +629,9 @@ class AgentKVConnector(OffloadingConnector):
         result: tuple[int | None, bool] = super().get_num_new_matched_tokens(
             request, num_computed_tokens
         )
-        rt = self._runtime
+        rt, gpu = self._runtime, self._gpu
+        if gpu is not None:
+            self._guard.call("make room", lambda: gpu.make_room(request, num_computed_tokens), None)
         if rt is not None and result[0] is not None:
             host = result[0]
             self._guard.call(
@@ -616,3 +684,11 @@ class _NullSink:
 
 def _no_snapshot() -> None:
     return None
+
+
+def _views(client: DaemonClient) -> Callable[[], SnapshotView | None]:
+    def view() -> SnapshotView | None:
+        compiled = client.compiled()
+        return compiled if isinstance(compiled, SnapshotView) else None
+
+    return view

@@ -49,6 +49,7 @@ class DaemonClient:
         *,
         queue_max_events: int = 65536,
         clock: Callable[[], float] = time.monotonic,
+        compile_snapshot: Callable[[PolicySnapshot], object] | None = None,
     ) -> None:
         if queue_max_events < 1:
             raise ValueError(f"queue_max_events must be >= 1, got {queue_max_events}")
@@ -56,6 +57,9 @@ class DaemonClient:
         self.endpoints = endpoints or Endpoints.from_env()
         self.queue_max_events = queue_max_events
         self.clock = clock
+        # run on the receiving thread, so that a large snapshot is indexed off the caller's path
+        self.compile_snapshot = compile_snapshot
+        self._compiled: object | None = None
         self._lock = threading.Lock()
         self._queue: deque[Event] = deque()
         self._wake = threading.Event()
@@ -120,6 +124,15 @@ class DaemonClient:
             return None
         now = self.clock() if now is None else now
         return snap if now - received <= snap.ttl_s else None
+
+    def compiled(self, now: float | None = None) -> object | None:
+        """What ``compile_snapshot`` made of the newest snapshot, while that is fresh."""
+        with self._lock:
+            snap, compiled, received = self._snapshot, self._compiled, self._snapshot_received_s
+        if snap is None:
+            return None
+        now = self.clock() if now is None else now
+        return compiled if now - received <= snap.ttl_s else None
 
     def stats(self) -> dict[str, int]:
         """Counters: accepted / dropped / sent events, batches, send errors, snapshots."""
@@ -275,8 +288,18 @@ class DaemonClient:
                 self._last_log_s["snapshot"] = now
                 log.warning("agentkv client %s: ignored a malformed snapshot: %s", self.source, exc)
             return
+        compiled: object | None = None
+        if self.compile_snapshot is not None:
+            try:
+                compiled = self.compile_snapshot(snap)
+            except Exception as exc:
+                with self._lock:
+                    self._counts["malformed_snapshots"] += 1
+                log.warning("agentkv client %s: could not index a snapshot: %r", self.source, exc)
+                return
         received = self.clock()
         with self._lock:
+            self._compiled = compiled
             self._snapshot = snap
             self._snapshot_received_s = received
             self._counts["snapshots_received"] += 1

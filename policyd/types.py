@@ -202,9 +202,9 @@ class PolicySnapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     call's output, the new part of a prompt) takes, until a snapshot names it, the score of the
     nearest named block before it in the request that stored it, instead of ``default_score``:
     the policy could not name a block that did not exist yet, and a call's new blocks are worth
-    what its prompt is worth. It applies to the GPU order; a score-ordered GPU tier (the
-    simulator's) follows it. vLLM's GPU tier keeps its LRU among unpinned blocks, where fresh
-    blocks are the most recent anyway.
+    what its prompt is worth. No tier applies it today: vLLM's GPU tier (and the simulator's,
+    which makes the same moves, ``policyd.tiers.gpu``) keeps its LRU among the blocks a
+    snapshot did not rank, where fresh blocks are the most recent anyway.
     """
 
     version: int

@@ -199,31 +199,13 @@ def _simulator(policy: Policy, host_blocks: int) -> Simulator:
 
 @pytest.mark.parametrize("host", [True, False])
 def test_the_simulator_orders_the_host_tier_by_host_scores_when_given(host: bool) -> None:
-    # block 1 first out of the GPU, block 2 first out of the host (``host`` False: one order
-    # for both tiers, as every policy but agentkv publishes)
+    # block 2 first out of the host when the snapshot gives the host its own order; else the
+    # GPU's scores order it too (block 1 first), as every policy but agentkv publishes
     scores = (ScoredBlocks(1.0, (1,)), ScoredBlocks(2.0, (2,)))
     host_scores = (ScoredBlocks(2.0, (1,)), ScoredBlocks(1.0, (2,))) if host else None
     sim = _simulator(Published(scores, host_scores), host_blocks=2)
-    sim.gpu.queue.push_many([1, 2])
     sim.host.queue.push_many([1, 2])
-    assert sim.gpu.queue.pop_head() == 1
     assert sim.host.queue.pop_head() == (2 if host else 1)
-
-
-@pytest.mark.parametrize("inherit", [True, False])
-def test_blocks_stored_between_snapshots_take_their_prompts_score_when_asked(inherit: bool) -> None:
-    # blocks 1-3 (a prompt) at 5, block 9 (another workflow's) at 1, one order for both tiers
-    scores = (ScoredBlocks(5.0, (1, 2, 3)), ScoredBlocks(1.0, (9,)))
-    sim = _simulator(Published(scores, inherit=inherit), host_blocks=16)
-    # a call's output (4, 5) after its prompt (1, 2, 3); 7 follows a prompt nobody named
-    sim._inherit([4, 5], before=[1, 2, 3])
-    sim._inherit([7], before=[6])
-    sim.gpu.queue.push_many([4, 5, 7, 9])
-    sim.host.queue.push_many([4, 9])
-    evicted = sim.gpu.queue.pop_many(4)
-    # inherited, the output outranks the lower-scored prompt 9; else it goes first (default 0)
-    assert evicted == ([7, 9, 4, 5] if inherit else [4, 5, 7, 9])
-    assert sim.host.queue.pop_head() == 4  # the host order is the snapshot's own: no inheritance
 
 
 def test_agentkv_asks_for_inherited_scores_only_where_it_scores_outputs() -> None:

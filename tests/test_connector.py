@@ -16,12 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from connector.copy_plan import plan_rows
-from connector.decisions import Ownership, SnapshotView, select_pins, write_allowed
 from connector.events import block_hash_int, prefix_hit
-from connector.host_order import HostOrder
 from connector.params import UNKNOWN_AGENT, parse_request_tags
 from connector.runtime import ConnectorRuntime, Guard
 from policyd.client import DaemonClient
+from policyd.tiers.host_order import HostOrder
+from policyd.tiers.view import Ownership, SnapshotView, select_pins, write_allowed
 from policyd.types import (
     BATCH_CODEC,
     SNAPSHOT_CODEC,
@@ -344,7 +344,7 @@ def test_runtime_applies_the_snapshot_and_falls_back_when_stale(
         assert rt.may_store("new") is False
         assert rt.may_store("unknown-request") is True
         assert rt.retired_blocks == {8}  # 7 is shared with a live workflow
-        assert rt.pins() == [9]  # capped at one
+        assert select_pins(rt.view, rt.retired_blocks, 1) == [9]  # capped at one
         generation = rt.generation
         now[0] = 100.0  # the snapshot is now older than its ttl: LRU, store everything
         assert rt.refresh() is None
@@ -392,10 +392,12 @@ def test_host_removed_event_names_the_tier(
     ]
 
 
-@pytest.mark.parametrize("module", ["params", "events", "decisions", "copy_plan"])
+@pytest.mark.parametrize(
+    "module", ["connector.params", "connector.events", "policyd.tiers.view", "connector.copy_plan"]
+)
 def test_docstring_examples(module: str) -> None:
     import doctest  # noqa: PLC0415
     import importlib  # noqa: PLC0415
 
-    result = doctest.testmod(importlib.import_module(f"connector.{module}"))
+    result = doctest.testmod(importlib.import_module(module))
     assert result.failed == 0 and result.attempted > 0

@@ -77,3 +77,46 @@ def test_demo_profile_runs_without_a_gpu() -> None:
     for name in ("demo", "ui-demo"):
         assert "deploy" not in services[name]
     assert services["ui-demo"]["environment"]["POLICYD_API_URL"] == "http://demo:8470"
+
+
+def project_imports(module_path: Path) -> set[Path]:
+    """The project files ``module_path`` imports, transitively (``policyd``, ``connector``)."""
+    import ast  # noqa: PLC0415
+
+    seen: set[Path] = set()
+    todo = [module_path]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                else []
+            )
+            for name in names:
+                if name.split(".")[0] not in ("policyd", "connector"):
+                    continue
+                parts = name.split(".")
+                for i in range(1, len(parts) + 1):  # the packages on the way are imported too
+                    base = ROOT.joinpath(*parts[:i])
+                    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+                        if candidate.exists():
+                            todo.append(candidate)
+    return seen
+
+
+def test_the_vllm_service_mounts_every_module_the_connector_imports() -> None:
+    vllm = resolved()["services"]["vllm"]
+    mounted = [Path(v["source"]) for v in vllm["volumes"] if v["type"] == "bind"]
+    needed = project_imports(ROOT / "connector" / "vllm_adapter.py")
+    missing = sorted(
+        str(p.relative_to(ROOT))
+        for p in needed
+        if not any(p == m or m in p.parents for m in mounted)
+    )
+    assert not missing, f"compose.yaml does not mount {missing} into the vLLM image"

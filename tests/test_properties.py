@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from policyd.engine import Clock, EngineState
 from policyd.policies import POLICIES, Policy
-from policyd.sim.cache import KeyedQueue, LruQueue, RunningSpace
+from policyd.sim.cache import HostOrderQueue, KeyedQueue, LruQueue, RunningSpace
 from policyd.sim.replay import SimConfig
 from policyd.types import (
     BLOCK_SIZE_TOKENS,
@@ -279,7 +279,7 @@ def test_blocks_are_conserved_and_tiers_stay_within_capacity(
     # what the events say the tiers hold is what the cache model holds
     assert residency.tiers["gpu"] == set(run.sim.gpu.refs)
     host_queue = run.sim.host.queue
-    assert isinstance(host_queue, LruQueue | KeyedQueue)
+    assert isinstance(host_queue, LruQueue | KeyedQueue | HostOrderQueue)
     assert residency.tiers["host"] == set(host_queue)
     assert run.engine.state.resident == residency.tiers
 

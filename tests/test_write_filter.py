@@ -20,18 +20,14 @@ The stream is a pool of coding agents in a fixed order (each call its own stream
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from functools import cache
-from typing import ClassVar
 
-from policyd.engine import EngineState
 from policyd.mrc_eval import interleave
 from policyd.policies import make_policy
 from policyd.policies.base import Policy
 from policyd.sim.audit import DeclineAudit
 from policyd.sim.replay import SimConfig, Simulator
 from policyd.sim.report import Report
-from policyd.types import Admit
 from policyd.workload import Workload, sequential
 from policyd.workloads import make_workload
 
@@ -47,26 +43,26 @@ def pool_stream() -> Workload:
     return sequential(calls, name="pool-in-order")
 
 
-class DeclineSet(Policy):
-    """LRU, declining exactly the ``(request, block)`` host writes in ``declined`` (None: all)."""
-
-    name: ClassVar[str] = "decline-set"
-    sync_admission: ClassVar[bool] = True
+class DeclineSet:
+    """An offline admission (LRU otherwise) declining exactly the ``(request, block)`` host
+    writes in ``declined`` (None: all): the audit's instrument, not a policy a connector serves."""
 
     def __init__(self, declined: set[tuple[str, int]] | None) -> None:
         self.declined = declined
 
-    def admit(self, request_id: str, block_hashes: Sequence[int], state: EngineState) -> Admit:
+    def __call__(self, request_id: str, block_hashes: list[int]) -> list[int]:
         if self.declined is None:
-            return Admit(request_id=request_id, block_hashes=(), declined=tuple(block_hashes))
+            return []
         declined = self.declined
-        keep = tuple(b for b in block_hashes if (request_id, b) not in declined)
-        return Admit(request_id=request_id, block_hashes=keep)
+        return [b for b in block_hashes if (request_id, b) not in declined]
 
 
-def replay(policy: Policy, host_blocks: int) -> tuple[Report, DeclineAudit]:
+def replay(policy: Policy | DeclineSet, host_blocks: int) -> tuple[Report, DeclineAudit]:
     config = SimConfig(concurrency=1, gpu_blocks=GPU_BLOCKS, host_blocks=host_blocks)
-    sim = Simulator(pool_stream(), policy, config)
+    if isinstance(policy, DeclineSet):
+        sim = Simulator(pool_stream(), make_policy("lru"), config, offline_admission=policy)
+    else:
+        sim = Simulator(pool_stream(), policy, config)
     sim.audit = DeclineAudit(host_blocks, keep_blocks=True)
     return sim.run(), sim.audit
 

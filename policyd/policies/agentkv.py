@@ -51,14 +51,15 @@ their sum the host tier), and a host-tier write filter that generalises Efficien
   always on). In a flat type (one agent per workflow: a coding-agent pool) the sum takes the
   workflow's ``pace`` in place of the lookahead, which there is only a survival forecast
   without skill (``host_pace``, ``_paced``; docs/RESULTS.md, *The host tier ordered by pace*).
-* Host tier admission, per request on the synchronous path (``admit``, see its docstring): a
+* Host tier admission, per request on the daemon's synchronous path (``admit``, see its docstring: a
   write into free space, or one that displaces only blocks ranked below the request's own
   prompt, is always made (it cannot cost a hit the tier would otherwise have); a finished
   workflow's private blocks, or a prompt the ranking gives less than ``min_reuse``, are
   declined; the rest follows EfficientAgent's rule with its threshold replaced by Proposition
   1's condition estimated online (expected stack distance below the capacity).
-* In service the connector asks ``admit`` once per request (the daemon's synchronous path); a
-  connector applying snapshots only gets EfficientAgent's rule as the snapshot's write filter.
+  an API answer, ``POST /api/decide/admit``). The connector and the simulator decide locally
+  from the snapshot (no call into the daemon from inside vLLM): EfficientAgent's rule, the
+  snapshot's write filter.
 """
 
 from __future__ import annotations
@@ -105,7 +106,6 @@ class AgentKV(PBKV):
         "ours: referee-chosen ranking on GPU, summed rankings on host + reuse-before-eviction "
         "host write filter"
     )
-    sync_admission: ClassVar[bool] = True
 
     def __init__(
         self,

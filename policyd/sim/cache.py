@@ -5,8 +5,13 @@ are referenced and cannot be evicted; freed blocks stay cached in an eviction qu
 are reused (touched: leave the queue) or evicted. ``HostTier`` is the offloading tier: every
 cached block is evictable.
 
-Eviction order is pluggable through the queue (``LruQueue`` is vLLM's free-queue order; a
-``KeyedQueue`` orders by a key such as a policy score or an oracle's next use).
+The GPU tier's queue is ``LruQueue``, vLLM's free-queue order, for every policy the connector
+serves: a snapshot changes it only through the moves ``policyd.tiers.gpu.GpuApplier`` makes,
+which ``GpuTier`` offers with the names of vLLM's ``BlockPool`` (``lookup``, ``touch``,
+``free``, ``evict``, ``to_tail``). Free space stands for vLLM's slots without a hash, which sit at
+the head of its queue and are taken first. The host tier's queue is ``HostOrderQueue``, the
+connector's own host order, or ``LruQueue``. ``KeyedQueue`` (by a key such as an oracle's next
+use) is for the offline bound only, which no connector applies.
 
 Simplification, stated: vLLM may hold two physical blocks under one hash (two running requests
 computing the same block); here the second copy is scratch space of its request, freed when the
@@ -17,9 +22,12 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from itertools import repeat
 from typing import Any, Literal, Protocol
+
+from policyd.tiers.host_order import HostOrder
+from policyd.tiers.view import SnapshotView
 
 RunningSpace = Literal["shared", "separate"]
 
@@ -34,6 +42,7 @@ class EvictionQueue(Protocol):
     def pop_head(self) -> int | None: ...
     def pop_many(self, n: int) -> list[int]: ...
     def peek(self) -> int | None: ...
+    def evict(self, n: int, protected: Collection[int] = ()) -> list[int] | None: ...
     def __len__(self) -> int: ...
     def __contains__(self, block: object) -> bool: ...
 
@@ -66,6 +75,28 @@ class LruQueue(OrderedDict[int, None]):
 
     def peek(self) -> int | None:
         return next(iter(self)) if self else None
+
+    def to_tail(self, blocks: Iterable[int]) -> None:
+        """Move queued blocks to the tail in the order given (the last is evicted last)."""
+        move = self.move_to_end
+        for block in blocks:
+            move(block)
+
+    def evict(self, n: int, protected: Collection[int] = ()) -> list[int] | None:
+        """vLLM's ``LRUCachePolicy.evict``: the ``n`` least recent blocks not ``protected``,
+        removed; protected blocks keep their place; ``None`` and no change if there are fewer."""
+        if n <= 0:
+            return []
+        chosen: list[int] = []
+        for block in self:
+            if block not in protected:
+                chosen.append(block)
+                if len(chosen) == n:
+                    break
+        if len(chosen) < n:
+            return None
+        self.discard_many(chosen)
+        return chosen
 
 
 class KeyedQueue(dict[int, int]):
@@ -129,12 +160,83 @@ class KeyedQueue(dict[int, int]):
         top = self._top()
         return None if top is None else top[2]
 
+    def evict(self, n: int, protected: Collection[int] = ()) -> list[int] | None:
+        """The ``n`` first blocks not ``protected``, removed (protected ones are re-queued
+        behind); ``None`` and no change if there are fewer."""
+        if n <= 0:
+            return []
+        if len(self) - len([b for b in protected if b in self]) < n:
+            return None
+        chosen: list[int] = []
+        kept: list[int] = []
+        while len(chosen) < n:
+            block = self.pop_head()
+            assert block is not None
+            (kept if block in protected else chosen).append(block)
+        self.push_many(kept)
+        return chosen
+
     def rekey(self) -> None:
         """Re-evaluate every key (after the scores changed), keeping recency order for ties."""
         order = sorted(self, key=self.__getitem__)
         self._heap.clear()
         self.clear()
         self.push_many(order)
+
+
+class HostOrderQueue:
+    """The connector's host-tier order (``policyd.tiers.host_order.HostOrder``) as an eviction
+    queue: blocks of retired workflows first, then by the snapshot's host score, then least
+    recently used; exactly vLLM's LRU while no view is set."""
+
+    def __init__(self) -> None:
+        self.order: HostOrder[int] = HostOrder(int)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __contains__(self, block: object) -> bool:
+        return block in self.order
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order)
+
+    def set_view(self, view: SnapshotView | None, retired: frozenset[int]) -> None:
+        self.order.set_view(view, retired)
+
+    def push(self, block: int) -> None:
+        if block in self.order:
+            self.order.touch([block])
+        else:
+            self.order.insert(block, evictable=True)
+
+    def push_many(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self.push(block)
+
+    def discard(self, block: int) -> None:
+        self.order.remove(block)
+
+    def discard_many(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self.order.remove(block)
+
+    def pop_head(self) -> int | None:
+        out = self.order.evict(1)
+        return out[0] if out else None
+
+    def pop_many(self, n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n and (block := self.pop_head()) is not None:
+            out.append(block)
+        return out
+
+    def peek(self) -> int | None:
+        order = self.order.peek_order()
+        return order[0] if order else None
+
+    def evict(self, n: int, protected: Collection[int] = ()) -> list[int] | None:
+        return self.order.evict(n, frozenset(protected))
 
 
 Admits = Callable[[int, int], bool]  # (candidate, victim) -> cache candidate by evicting victim?
@@ -262,6 +364,35 @@ class GpuTier:
             inserted.append(block)
         return inserted
 
+    # -- policyd.tiers.gpu.GpuPool: the moves a snapshot makes (handle = the block hash) ------
+
+    def lookup(self, block: int) -> int | None:
+        return block if block in self.refs else None
+
+    def is_free(self, handle: int) -> bool:
+        return self.refs.get(handle) == 0
+
+    def touch(self, handles: Sequence[int]) -> None:
+        self.acquire(handles)
+
+    def free(self, handles: Sequence[int]) -> None:
+        refs = self.refs
+        for block in handles:
+            refs[block] -= 1
+            if not refs[block]:
+                self.queue.push(block)
+
+    def evict(self, handles: Sequence[int]) -> None:
+        """The slots become free space (vLLM: no hash, at the queue's head: reused first)."""
+        self.queue.discard_many(list(handles))
+        deque(map(self.refs.pop, handles), maxlen=0)
+
+    def to_tail(self, handles: Sequence[int]) -> None:
+        queue = self.queue
+        if not isinstance(queue, LruQueue):
+            raise TypeError("queue moves need vLLM's free-queue order (LruQueue)")
+        queue.to_tail(handles)
+
     def release(self, held: Sequence[int], scratch_blocks: int) -> None:
         """A request ended: its blocks are freed tail first (vLLM's order), so a prefix's
         deepest block is evicted before its parents; its scratch space is returned."""
@@ -322,17 +453,12 @@ class HostTier:
         guard = {b for b in protected if b in queue}
         if admits is None:
             n_evict = len(queue) + len(new) - self.capacity_blocks
-            if n_evict > len(queue) - len(guard):
-                return stored, evicted
-            kept: list[int] = []
-            while len(evicted) < n_evict:
-                victim = queue.pop_head()
-                assert victim is not None
-                (kept if victim in guard else evicted).append(victim)
-            for block in kept:
-                queue.push(block)
-            for block in new:
-                queue.push(block)
+            if n_evict > 0:
+                victims = queue.evict(n_evict, guard)
+                if victims is None:  # not enough unprotected blocks: vLLM stores nothing
+                    return stored, evicted
+                evicted = victims
+            queue.push_many(new)
             return new, evicted
         for block in new:
             if len(queue) >= self.capacity_blocks:

@@ -34,9 +34,11 @@ import msgspec
 from policyd.engine import Engine
 from policyd.policies import FutureIndex, Policy, make_policy
 from policyd.sim.audit import DeclineAudit
-from policyd.sim.cache import GpuTier, HostTier, KeyedQueue, LruQueue, RunningSpace
+from policyd.sim.cache import GpuTier, HostOrderQueue, HostTier, KeyedQueue, LruQueue, RunningSpace
 from policyd.sim.profiles import HardwareProfile, get_profile
 from policyd.sim.report import Report, RequestRecord
+from policyd.tiers.gpu import DEFAULT_PIN_FRACTION, DEFAULT_RANK_FRACTION, GpuApplier, capped
+from policyd.tiers.view import Ownership, SnapshotView, write_allowed
 from policyd.types import (
     BATCH_CODEC,
     BLOCK_SIZE_TOKENS,
@@ -51,13 +53,17 @@ from policyd.types import (
     RequestStarted,
     Tier,
     WorkflowFinished,
-    score_map,
 )
 from policyd.workload import Call, Stream, Workload
 
 Progress = Callable[[int], None]  # called with the number of calls completed since last call
+# (request id, candidate blocks) -> the blocks written: a per-block host admission decided
+# offline, for analyses such as Proposition 1's audit (sim/audit.py). No connector applies it,
+# so no policy figure may come from it.
+OfflineAdmission = Callable[[str, list[int]], list[int]]
 
 _ARRIVE, _PREFILLED, _FINISH, _SNAPSHOT = range(4)
+
 _SYNTHETIC_BIT = 1 << 63  # hashes for output blocks whose content the workload does not give
 
 
@@ -74,6 +80,10 @@ class SimConfig:
     snapshot_interval_s: float = 1.0
     codec_roundtrip: bool = False
     prefetch_budget_blocks: int = 0
+    # the connector's GPU-tier caps (agentkv_max_pinned_blocks / agentkv_max_ranked_blocks);
+    # None: the connector's defaults, fractions of the GPU pool
+    max_pinned_blocks: int | None = None
+    max_ranked_blocks: int | None = None
     offload_prompt_only: bool = True  # vLLM 0.32's default: decode blocks are not offloaded
     record_requests: bool = False
     audit_declines: bool = False  # check declined host writes against Proposition 1 (audit.py)
@@ -99,13 +109,22 @@ class _Req:
     gpu_hit: int = 0
     host_hit: int = 0
     prefill_end_s: float = 0.0
+    may_store: bool = True  # the write filter's decision, taken at the prefix lookup
 
 
 class Simulator:
     """Replays ``workload`` under ``policy``; ``run()`` returns a ``Report``."""
 
-    def __init__(self, workload: Workload, policy: Policy, config: SimConfig) -> None:
+    def __init__(
+        self,
+        workload: Workload,
+        policy: Policy,
+        config: SimConfig,
+        *,
+        offline_admission: OfflineAdmission | None = None,
+    ) -> None:
         self.workload = workload
+        self.offline_admission = offline_admission
         self.policy = policy
         self.config = config
         self.profile: HardwareProfile = get_profile(config.profile)
@@ -118,10 +137,15 @@ class Simulator:
         self.now = 0.0
         self.engine = Engine(policy, clock=lambda: self.now)
         self._snapshot: PolicySnapshot | None = None
+        self._view: SnapshotView | None = None
         self._events_at_snapshot = -1
-        self._scores: dict[int, float] = {}
-        # the host tier's order: ``_scores`` unless the snapshot gives ``host_scores``
-        self._host_scores: dict[int, float] = self._scores
+        # what the connector knows and decides: who used which blocks, the GPU moves
+        self.ownership = Ownership()
+        # snapshots are applied for score-ordered policies and for any policy publishing more
+        # than the empty default (a write filter); plain LRU runs without them, exactly
+        self._uses_snapshots = policy.ordering == "snapshot" or (
+            policy.ordering == "recency" and type(policy).snapshot is not Policy.snapshot
+        )
         self.gpu = GpuTier(
             gpu_blocks,
             self._queue("gpu"),
@@ -129,18 +153,16 @@ class Simulator:
             admits=self._oracle_admits("gpu"),
         )
         self.host = HostTier(host_blocks, self._queue("host"), admits=self._oracle_admits("host"))
+        self.gpu_applier = GpuApplier(
+            self.gpu,
+            max_pinned_blocks=capped(config.max_pinned_blocks, DEFAULT_PIN_FRACTION, gpu_blocks),
+            max_ranked_blocks=capped(config.max_ranked_blocks, DEFAULT_RANK_FRACTION, gpu_blocks),
+        )
         # policies that size decisions by the tiers (write filters) are told their capacities,
         # as the daemon tells them from its settings
         configure = getattr(policy, "configure_tiers", None)
         if callable(configure):
             configure(gpu_blocks=gpu_blocks, host_blocks=host_blocks)
-        # snapshots are applied for score-ordered policies and for any policy publishing more
-        # than the empty default (a write filter); plain LRU runs without them, exactly
-        self._uses_snapshots = policy.ordering == "snapshot" or (
-            policy.ordering == "recency" and type(policy).snapshot is not Policy.snapshot
-        )
-        # a policy deciding host admission per request on the synchronous path (Engine.admit)
-        self._sync_admission = bool(getattr(policy, "sync_admission", False))
         self.audit = DeclineAudit(host_blocks) if config.audit_declines else None
         self._events: list[Event] = []
         self._batch_seq = count(1)
@@ -167,23 +189,16 @@ class Simulator:
 
     # -- wiring the policy in ----------------------------------------------------------------
 
-    def _queue(self, tier: Tier) -> LruQueue | KeyedQueue:
+    def _queue(self, tier: Tier) -> LruQueue | KeyedQueue | HostOrderQueue:
+        """vLLM's orders for every policy the connector serves (the GPU's free queue, the host
+        tier's order); a key order for the offline oracle only."""
         ordering = self.policy.ordering
-        if ordering == "recency":
-            return LruQueue()
         if ordering == "oracle":
             policy = self.policy
             return KeyedQueue(lambda blocks: policy.oracle_keys(tier, blocks))
-
-        def score_keys(blocks: Sequence[int]) -> list[float]:
-            default = self._default_score()
-            scores = self._host_scores if tier == "host" else self._scores  # rebound per snapshot
-            return [scores.get(b, default) for b in blocks]
-
-        return KeyedQueue(score_keys)
-
-    def _default_score(self) -> float:
-        return self._snapshot.default_score if self._snapshot is not None else 0.0
+        if tier == "host" and self._uses_snapshots:
+            return HostOrderQueue()
+        return LruQueue()
 
     def _oracle_admits(self, tier: Tier) -> Callable[[int, int], bool] | None:
         if self.policy.ordering != "oracle":
@@ -192,6 +207,8 @@ class Simulator:
         return lambda block, victim: policy.oracle_admits(tier, block, victim)
 
     def _apply_snapshot(self) -> None:
+        """A new snapshot, applied as the connector applies it: the GPU moves of
+        ``GpuApplier``, the host tier's order, and the write filter of later lookups."""
         events = self.engine.state.counters.events
         if self._snapshot is not None and events == self._events_at_snapshot:
             # nothing happened since: the decisions would be the same, only fresher
@@ -200,21 +217,22 @@ class Simulator:
         self._events_at_snapshot = events
         snap = self.engine.snapshot()
         self._snapshot = snap
-        self._scores = score_map(snap.scores)
-        self._host_scores = (
-            (dict(self._scores) if snap.inherit_scores else self._scores)  # (GPU order only)
-            if snap.host_scores is None
-            else score_map(snap.host_scores)
-        )
-        for queue in (self.gpu.queue, self.host.queue):
-            if isinstance(queue, KeyedQueue):
-                queue.rekey()
+        view = self._view = SnapshotView.of(snap)
+        retired = self.ownership.retired_blocks(view.retired_workflows)
+        self.gpu_applier.adopt(view, retired)
+        evicted = self.gpu_applier.step(None)
+        if evicted:
+            self._events.append(BlocksRemoved(ts=self.now, tier="gpu", block_hashes=tuple(evicted)))
+            self.report.gpu_evicted_blocks += len(evicted)
+        if isinstance(self.host.queue, HostOrderQueue):
+            self.host.queue.set_view(view, retired)
 
-    def _snapshot_fresh(self) -> PolicySnapshot | None:
+    def _view_fresh(self) -> SnapshotView | None:
+        """The applied view while its snapshot is fresh; None (LRU, store all) once stale."""
         snap = self._snapshot
         if snap is None or self.now - snap.ts > snap.ttl_s:
             return None
-        return snap
+        return self._view
 
     # -- the event loop ----------------------------------------------------------------------
 
@@ -338,7 +356,12 @@ class Simulator:
             refs = gpu.refs
             queued_hits = len([b for b in blocks[:gpu_hit] if not refs[b]])
             new_blocks = req.physical_blocks - gpu_hit
-            if not gpu.can_allocate(new_blocks + queued_hits):
+            need = new_blocks + queued_hits
+            if not gpu.can_allocate(need) and self.gpu_applier.make_room(
+                need, gpu.free_blocks + len(gpu.queue)
+            ):
+                continue  # the pins were released (as the connector does): look again
+            if not gpu.can_allocate(need):
                 if self._running == 0:
                     raise ValueError(
                         f"request {req.rid} needs {req.physical_blocks} GPU blocks but the GPU "
@@ -380,6 +403,12 @@ class Simulator:
                 recomputed_blocks=len(blocks) - gpu_hit - host_hit,
             )
         )
+        # the connector's lookup: it records who uses the blocks and takes the write filter's
+        # decision for the request from the snapshot it holds (connector/runtime.py)
+        self.ownership.record(call.workflow_id, blocks)
+        view = self._view_fresh()
+        staged = view is not None and any(b in view.stage for b in blocks)
+        req.may_store = write_allowed(view, len(blocks) - gpu_hit - host_hit, staged)
         # the policy sees the request before any decision about its blocks (the connector
         # sends the start first, too)
         self._flush()
@@ -424,7 +453,6 @@ class Simulator:
 
     def _cache_gpu(self, req: _Req, blocks: Sequence[int], before: Sequence[int]) -> None:
         """Cache ``blocks`` on the GPU for ``req`` (``before``: its blocks that precede them)."""
-        self._inherit(blocks, before)
         cached, evicted = self.gpu.commit(blocks, req.held)
         if self.config.running_space == "shared":
             req.scratch -= len(cached)
@@ -437,21 +465,6 @@ class Simulator:
                     ts=self.now, tier="gpu", block_hashes=tuple(cached), request_id=req.rid
                 )
             )
-
-    def _inherit(self, blocks: Sequence[int], before: Sequence[int]) -> None:
-        """``PolicySnapshot.inherit_scores``: each of ``blocks`` the GPU order does not name
-        takes the score of the nearest named block before it (until the next snapshot)."""
-        snap = self._snapshot
-        if snap is None or not snap.inherit_scores or not blocks:
-            return
-        scores = self._scores
-        score = next((scores[b] for b in reversed(before) if b in scores), None)
-        for block in blocks:
-            named = scores.get(block)
-            if named is not None:
-                score = named
-            elif score is not None:
-                scores[block] = score
 
     def _offered(self, req: _Req) -> Sequence[int]:
         """What vLLM's offloading scheduler offers to the host tier for this request: every
@@ -492,20 +505,12 @@ class Simulator:
             start = max(self.now, self._d2h_free_s)
             self._d2h_free_s = start + nbytes / self.profile.d2h_bytes_per_s
 
-    def _write_filter(self, req: _Req, candidates: list[int]) -> list[int]:
-        snap = self._snapshot_fresh()
-        if snap is None or snap.write_filter.mode == "none":
-            return candidates
-        wf = snap.write_filter
-        if wf.mode == "conditioned" and not wf.pressure:
-            return candidates
-        return candidates if len(candidates) <= wf.max_new_blocks else []
-
     def _admitted(self, req: _Req, candidates: list[int]) -> list[int]:
-        """Engine.admit for policies deciding per request, else the snapshot's write filter."""
-        if self._sync_admission:  # the per-request decision supersedes the snapshot's rule
-            return list(self.engine.admit(req.rid, candidates).block_hashes)
-        return self._write_filter(req, candidates)
+        """The write filter's per-request decision, taken at the lookup (as the connector's
+        ``prepare_store`` applies it): all of the request's new blocks, or none."""
+        if self.offline_admission is not None:
+            return self.offline_admission(req.rid, candidates)
+        return candidates if req.may_store else []
 
     def _prefilled(self, req: _Req) -> None:
         """The prompt's KV exists: write it to the host tier, then decode."""

@@ -14,10 +14,10 @@ cannot take exactly ``n`` unprotected keys.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Generic, TypeVar
 
-from connector.decisions import SnapshotView
+from policyd.tiers.view import SnapshotView
 
 K = TypeVar("K", bound=Hashable)
 Priority = tuple[int, float, int]
@@ -43,6 +43,10 @@ class HostOrder(Generic[K]):
 
     def __contains__(self, key: object) -> bool:
         return key in self._rank
+
+    def __iter__(self) -> Iterator[K]:
+        """Every key, in no particular order."""
+        return iter(self._rank)
 
     @property
     def num_evictable(self) -> int:

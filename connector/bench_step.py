@@ -1,0 +1,182 @@
+"""What the connector adds to each vLLM scheduler step, on vLLM's real ``BlockPool``.
+
+    .venv-vllm/bin/python -m connector.bench_step [--blocks 40000] [--steps 6000]
+
+A 40,000-block pool (vLLM 0.32's ``BlockPool``, no engine) runs a stream of agent requests:
+each scheduler step starts or finishes a request (prefix hits touched, new blocks allocated and
+cached, blocks freed tail first), and every ``--snapshot-every`` steps a new snapshot arrives
+that names ``--named`` blocks with scores and retires a few workflows. Per step the benchmark
+times exactly the connector's share: ``GpuTier.apply`` (refresh the view, adopt a new plan,
+perform at most ``--step-ops`` pool operations of it). It prints p50 / p99 / max in
+microseconds for steps with an unchanged view and for all steps, side by side with the same
+stream where the snapshot never changes, and checks the budget (p99 <= 200 us).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+from connector.runtime import ConnectorRuntime
+from connector.vllm_adapter import DEFAULT_STEP_OPS, GpuTier
+from policyd.tiers.gpu import DEFAULT_PIN_FRACTION, DEFAULT_RANK_FRACTION
+from policyd.tiers.view import SnapshotView
+from policyd.types import Event, PolicySnapshot, ScoredBlocks
+
+BUDGET_P99_US = 200.0
+TOKENS = 16
+GROUP = 0
+
+
+def digest(block: int) -> bytes:
+    return block.to_bytes(8, "big") + bytes(24)
+
+
+class _Sink:
+    def send_many(self, events: Sequence[Event]) -> int:
+        return len(events)
+
+
+def run(args: argparse.Namespace, *, snapshots: bool) -> dict[str, list[float]]:
+    """One stream; per-step times (us) of the connector's GPU work, by kind of step."""
+    rng = random.Random(args.seed)
+    pool = BlockPool(num_gpu_blocks=args.blocks + 1, enable_caching=True, hash_block_size=TOKENS)
+    current: list[SnapshotView | None] = [None]  # as the client's thread indexed it
+    rt = ConnectorRuntime(_Sink(), lambda: current[0], tokens_per_block=TOKENS)
+    tier = GpuTier(
+        pool,
+        [GROUP],
+        max_pinned_blocks=int(args.blocks * DEFAULT_PIN_FRACTION),
+        max_ranked_blocks=int(args.blocks * DEFAULT_RANK_FRACTION),
+        budget_ops=args.step_ops,
+    )
+    # workflows: a shared system prompt, then each its own growing transcript
+    system = list(range(1, 65))
+    next_block = iter(range(10_000, 10**9))
+    transcripts: dict[str, list[int]] = {}
+    running: dict[str, list[Any]] = {}
+    known: list[int] = []
+    version = 0
+    times: dict[str, list[float]] = {
+        k: [] for k in ("unchanged", "new snapshot", "unchanged wall", "new snapshot wall")
+    }
+    for step in range(args.steps):
+        if running and (len(running) >= args.running or rng.random() < 0.5):
+            rid = rng.choice(list(running))
+            pool.free_blocks(reversed(running.pop(rid)))
+            rt.request_finished(rid, 8)
+        else:
+            wf = f"wf{rng.randrange(args.workflows)}"
+            transcript = transcripts.setdefault(wf, [])
+            transcript.extend(next(next_block) for _ in range(rng.randrange(4, 40)))
+            blocks = system + transcript[-args.max_prompt_blocks :]
+            hit = 0
+            while hit < len(blocks) and tier.cached(blocks[hit]):
+                hit += 1
+            hits = [tier.cached(b)[0] for b in blocks[:hit]]
+            pool.touch(hits)
+            n_new = len(blocks) - hit
+            if n_new > pool.get_num_free_blocks():
+                pool.free_blocks(reversed(hits))
+                continue
+            new = pool.get_new_blocks(n_new)
+            for block, phys in zip(blocks[hit:], new, strict=True):
+                if tier.cached(block):
+                    continue
+                pool._insert_block_hash(
+                    make_block_hash_with_group_id(digest(block), GROUP), phys, TOKENS
+                )
+            for block in blocks:
+                tier.remember(digest(block))
+            rid = f"r{step}"
+            rt.request_started(
+                rid, {"workflow_id": wf}, None, [digest(b) for b in blocks], len(blocks) * TOKENS
+            )
+            running[rid] = hits + new
+            known.extend(blocks[hit:])
+        changed = False
+        if snapshots and step % args.snapshot_every == 0:
+            version += 1
+            named = rng.sample(known, k=min(len(known), args.named))
+            groups = tuple(
+                ScoredBlocks(rng.random() * 4, tuple(named[i : i + 32]))
+                for i in range(0, len(named), 32)
+            )
+            retired = tuple(f"wf{rng.randrange(args.workflows)}" for _ in range(2))
+            snap = PolicySnapshot(
+                version=version,
+                ts=0.0,
+                ttl_s=3600.0,
+                policy="bench",
+                scores=groups,
+                retired_workflows=retired,
+            )
+            current[0] = SnapshotView.of(snap)  # the client's thread indexes it (not timed)
+            changed = True
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+        tier.apply(rt)
+        c1, t1 = time.thread_time_ns(), time.perf_counter_ns()
+        kind = "new snapshot" if changed else "unchanged"
+        times[kind].append((c1 - c0) / 1e3)
+        times[kind + " wall"].append((t1 - t0) / 1e3)
+    return times
+
+
+def _row(name: str, xs: list[float]) -> str:
+    if not xs:
+        return f"| {name} | 0 | - | - | - |"
+    q = statistics.quantiles(xs, n=100) if len(xs) > 1 else [xs[0]] * 99
+    return f"| {name} | {len(xs)} | {q[49]:.1f} | {q[98]:.1f} | {max(xs):.1f} |"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--blocks", type=int, default=40_000)
+    p.add_argument("--steps", type=int, default=6000)
+    p.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=50,
+        help="steps between snapshots (1 s at 20 ms a step)",
+    )
+    p.add_argument("--named", type=int, default=20_000, help="blocks each snapshot scores")
+    p.add_argument("--workflows", type=int, default=64)
+    p.add_argument("--running", type=int, default=16, help="requests running at once")
+    p.add_argument("--max-prompt-blocks", type=int, default=1500)
+    p.add_argument("--step-ops", type=int, default=DEFAULT_STEP_OPS)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    still = run(args, snapshots=False)
+    live = run(args, snapshots=True)
+    print(f"connector GPU work per scheduler step, vLLM BlockPool of {args.blocks} blocks (us)")
+    print("CPU: the step thread's CPU time; wall: perf_counter (includes being descheduled)\n")
+    print("| steps | n | p50 | p99 | max |\n|---|---|---|---|---|")
+    verdicts = []
+    for clock, suffix in (("CPU", ""), ("wall", " wall")):
+        every = live["unchanged" + suffix] + live["new snapshot" + suffix]
+        print(_row(f"{clock}: no snapshot ever (idle)", still["unchanged" + suffix]))
+        print(_row(f"{clock}: unchanged view", live["unchanged" + suffix]))
+        print(_row(f"{clock}: adopting a new view", live["new snapshot" + suffix]))
+        print(_row(f"{clock}: every step", every))
+        p99 = statistics.quantiles(every, n=100)[98]
+        verdict = "within" if p99 <= BUDGET_P99_US else "OVER"
+        verdicts.append(f"{clock} p99 over every step {p99:.1f} us: {verdict} the budget")
+    print(f"\nbudget p99 <= {BUDGET_P99_US:.0f} us; " + "; ".join(verdicts))
+    print(
+        f"command: .venv-vllm/bin/python -m connector.bench_step {' '.join(sys.argv[1:])}".rstrip()
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,107 @@
+"""``policyd.tiers.gpu.GpuApplier`` on the simulator's GPU tier: retire, rank and pin as moves
+in vLLM's free-queue order, bounded work per step, and a stale view that undoes every pin.
+(The same plan on vLLM's real ``BlockPool``: tests/vllm/test_pool_differential.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from policyd.sim.cache import GpuTier, LruQueue
+from policyd.tiers.gpu import GpuApplier
+from policyd.tiers.view import SnapshotView
+from policyd.types import PolicySnapshot, ScoredBlocks
+
+
+def pool_with_free(blocks: list[int], capacity: int = 16) -> GpuTier:
+    """A GPU tier whose free queue holds ``blocks`` cached, first victim first."""
+    gpu = GpuTier(capacity, LruQueue())
+    held: list[int] = []
+    gpu.allocate(len(blocks))
+    gpu.commit(blocks, held)
+    gpu.release(list(reversed(held)), 0)  # freed tail first: ``blocks[0]`` is evicted first
+    return gpu
+
+
+def view(scores: dict[int, float], pin: tuple[int, ...] = (), default: float = 0.0) -> SnapshotView:
+    groups = tuple(ScoredBlocks(s, (b,)) for b, s in scores.items())
+    snap = PolicySnapshot(
+        version=1, ts=0.0, ttl_s=60.0, policy="t", scores=groups, pin=pin, default_score=default
+    )
+    return SnapshotView.of(snap)
+
+
+def order(gpu: GpuTier) -> list[int]:
+    assert isinstance(gpu.queue, LruQueue)
+    return list(gpu.queue)
+
+
+def test_ranked_blocks_go_behind_the_unranked_in_ascending_score() -> None:
+    gpu = pool_with_free([1, 2, 3, 4, 5, 6])
+    applier = GpuApplier(gpu, max_ranked_blocks=8)
+    # 1 and 5 ranked above the default, 3 below it (keeps its place), the rest unnamed
+    applier.adopt(view({1: 2.0, 5: 1.0, 3: -1.0}), frozenset())
+    assert applier.step() == []
+    assert order(gpu) == [2, 3, 4, 6, 5, 1]
+
+
+def test_the_rank_cap_keeps_the_highest() -> None:
+    gpu = pool_with_free([1, 2, 3, 4])
+    applier = GpuApplier(gpu, max_ranked_blocks=1)
+    applier.adopt(view({1: 2.0, 2: 3.0}), frozenset())
+    applier.step()
+    assert order(gpu) == [1, 3, 4, 2]
+
+
+def test_retired_free_blocks_are_evicted_and_their_slots_reused_first() -> None:
+    gpu = pool_with_free([1, 2, 3, 4], capacity=4)
+    applier = GpuApplier(gpu)
+    gpu.acquire([4])  # a running request holds 4
+    applier.adopt(view({}), frozenset({3, 4}))
+    assert applier.step() == [3]  # the held block stays
+    assert 3 not in gpu and 4 in gpu and gpu.free_blocks == 1
+    assert gpu.allocate(1) == []  # the retired slot, not block 1
+    assert order(gpu) == [1, 2]
+
+
+def test_pins_follow_the_snapshot_list_then_the_ranking_capped_and_a_stale_view_frees_them() -> (
+    None
+):
+    gpu = pool_with_free([1, 2, 3, 4, 5])
+    applier = GpuApplier(gpu, max_pinned_blocks=2, max_ranked_blocks=0)
+    applier.adopt(view({4: 9.0, 5: 1.0}, pin=(2,)), frozenset())
+    applier.step()
+    assert sorted(applier.pinned) == [2, 4]
+    assert gpu.refs[2] == gpu.refs[4] == 1 and order(gpu) == [1, 3, 5]
+    applier.adopt(None, frozenset())  # stale: every pin released, to the tail
+    applier.step()
+    assert applier.pinned == {} and order(gpu) == [1, 3, 5, 2, 4]
+
+
+def test_a_plan_runs_in_budgeted_steps_and_an_unchanged_view_costs_nothing() -> None:
+    gpu = pool_with_free(list(range(1, 11)))
+    applier = GpuApplier(gpu, max_ranked_blocks=10)
+    applier.adopt(view({b: float(b) for b in range(1, 11)}), frozenset({1, 2}))
+    steps = 0
+    while applier.busy:
+        applier.step(3)
+        steps += 1
+    assert steps == 4  # 2 retire + 8 rank operations, 3 a step
+    assert order(gpu) == list(range(3, 11))
+    ops = applier.counters.ops
+    assert applier.step(3) == [] and applier.counters.ops == ops
+
+
+def test_a_new_view_supersedes_an_unfinished_plan() -> None:
+    gpu = pool_with_free([1, 2, 3, 4])
+    applier = GpuApplier(gpu, max_ranked_blocks=4)
+    applier.adopt(view({1: 1.0, 2: 2.0}), frozenset())
+    applier.step(1)  # ascending: 1 goes to the tail first
+    applier.adopt(view({}), frozenset())  # nothing ranked: 2 stays where it is
+    applier.step()
+    assert not applier.busy
+    assert order(gpu) == [2, 3, 4, 1]
+
+
+def test_negative_caps_are_refused() -> None:
+    with pytest.raises(ValueError, match="must be >= 0"):
+        GpuApplier(GpuTier(4, LruQueue()), max_pinned_blocks=-1)
