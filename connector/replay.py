@@ -9,11 +9,20 @@ agent, type, ``workflow_done`` on the last call). An agent's prompt is its syste
 workflow's task and the workflow's transcript so far, so an agent called again reuses its own
 earlier prompt - after the other agents' calls may have evicted it.
 
-The same workload runs three times: ``gpu-only`` (vLLM without a connector: GPU prefix cache
-only), ``vllm-default`` (AgentKVConnector with no daemon: the host tier with vLLM's LRU and
-store-everything) and ``agentkv`` (the connector talking to ``policyd serve``). It prints hit
-and recomputed prompt tokens per run as a table and checks that every run generated the same
-tokens. ``policyd serve`` runs from the main venv (``--policyd``, default ``.venv/bin/policyd``).
+The same workload runs once per ``--runs`` entry: ``gpu-only`` (vLLM without a connector: GPU
+prefix cache only), ``vllm-default`` (AgentKVConnector with no daemon: the host tier with vLLM's
+LRU and store-everything) and a policy name (``agentkv``, ``pbkv``, ...: the connector talking
+to ``policyd serve --policy NAME``). It prints hit and recomputed prompt tokens per run as a
+table and checks that every run generated the same tokens. ``policyd serve`` runs from the main
+venv (``--policyd``, default ``.venv/bin/policyd``).
+
+Requests go in rounds: each round sends one call of every active workflow as one batch. Between
+rounds the daemon publishes a snapshot once it has taken in every event of the round
+(``POST /api/snapshot/publish``; its timer is set to an hour), so the connector adopts it when the
+next round's first request is looked up: the decisions are a function of the requests, not of
+thread timing. ``--record PATH`` writes every request (prompt, generated tokens, the GPU and host
+hit the connector traced at allocation) and every snapshot with the request it preceded, for
+``python -m policyd.sim.engine_check PATH`` (main venv) to replay through the simulator.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from connector.tiny_model import build_tiny_llama
+from policyd.sim.profiles import get_profile
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 BLOCK_TOKENS: Final = 32
@@ -46,14 +56,27 @@ TASK_TOKENS: Final = 128
 TOOL_TOKENS: Final = 48
 OUTPUT_TOKENS: Final = 8
 AGENTS: Final = ("planner", "searcher", "verifier", "writer")
+DAEMON_PROFILE: Final = "h200-llama3.1-8b"  # the daemon's bytes per block (sizing only)
+ON_DEMAND_S: Final = 3600.0  # the daemon's timer and TTL: snapshots come between rounds
+RECEIVE_S: Final = 0.5  # time for the connector's client to receive a published snapshot
+# the connector's GPU caps for recorded runs, and a step budget that applies a whole plan at
+# the lookup that adopts it, as the simulator does (the budget is tested on its own)
+RECORD_CAPS: Final = {"agentkv_max_pinned_blocks": 2, "agentkv_max_ranked_blocks": 16}
+WHOLE_PLAN_OPS: Final = 1_000_000
 
 
 @dataclass
-class Workflow:
+class GeneratedFlow:
+    """A generated research workflow, closed loop: each prompt is the agent's system prompt,
+    the task and the transcript so far (every earlier output and tool answer)."""
+
     workflow_id: str
+    system: dict[str, list[int]]
     task: list[int]
     rng: random.Random
     retry: float
+    vocab: int
+    workflow_type: str = "research"
     transcript: list[int] = field(default_factory=list)
     agent: str | None = "planner"
     calls: int = 0
@@ -67,6 +90,79 @@ class Workflow:
             return "searcher" if self.rng.random() < self.retry and self.calls < 8 else "writer"
         return None
 
+    def next_call(self) -> tuple[str, list[int], bool]:
+        """(agent, prompt, last call of the workflow)."""
+        assert self.agent is not None
+        agent = self.agent
+        tokens = self.system[agent] + self.task + self.transcript
+        nxt = self.next_agent(agent)
+        done = nxt is None or len(tokens) + TOOL_TOKENS + 2 * OUTPUT_TOKENS >= MAX_MODEL_LEN
+        self.agent = None if done else nxt
+        return agent, tokens, done
+
+    def took(self, generated: Sequence[int]) -> None:
+        self.transcript += list(generated) + _tokens(self.rng, TOOL_TOKENS, self.vocab)
+        self.calls += 1
+
+    @property
+    def finished(self) -> bool:
+        return self.agent is None
+
+
+@dataclass
+class TraceFlow:
+    """A workflow of a real trace: fixed prompts (``policyd.traces.engine_prompts``), open loop
+    (what the engine generates is not fed back: the trace's next prompt already holds it)."""
+
+    workflow_id: str
+    workflow_type: str
+    calls: list[tuple[str, list[int]]]
+    index: int = 0
+
+    def next_call(self) -> tuple[str, list[int], bool]:
+        agent, prompt = self.calls[self.index]
+        self.index += 1
+        return agent, prompt, self.index == len(self.calls)
+
+    def took(self, generated: Sequence[int]) -> None:
+        pass
+
+    @property
+    def finished(self) -> bool:
+        return self.index >= len(self.calls)
+
+
+Flow = GeneratedFlow | TraceFlow
+
+
+def generated_flows(n_workflows: int, seed: int, retry: float, vocab: int = 1000) -> list[Flow]:
+    rng = random.Random(seed)
+    systems = {agent: _tokens(rng, SYSTEM_TOKENS, vocab) for agent in AGENTS}
+    return [
+        GeneratedFlow(
+            f"wf{i}",
+            systems,
+            _tokens(rng, TASK_TOKENS, vocab),
+            random.Random(seed * 1000 + i),
+            retry,
+            vocab,
+        )
+        for i in range(n_workflows)
+    ]
+
+
+def trace_flows(path: Path) -> list[Flow]:
+    data = json.loads(path.read_text())
+    return [
+        TraceFlow(
+            w["workflow_id"],
+            w.get("workflow_type", ""),
+            [(c["agent"], list(c["prompt"])) for c in w["calls"]],
+        )
+        for w in data["workflows"]
+        if w["calls"]
+    ]
+
 
 @dataclass
 class Run:
@@ -78,6 +174,10 @@ class Run:
     wall_s: float = 0.0
     outputs: list[tuple[int, ...]] = field(default_factory=list)
     daemon: dict[str, Any] = field(default_factory=dict)
+    policy: str | None = None
+    calls: list[dict[str, Any]] = field(default_factory=list)  # what was sent, in order
+    script: dict[int, dict[str, Any]] = field(default_factory=dict)  # request index -> snapshot
+    trace: list[dict[str, Any]] = field(default_factory=list)  # the connector's, per request
 
     @property
     def recomputed_tokens(self) -> int:
@@ -88,8 +188,9 @@ def _tokens(rng: random.Random, n: int, vocab: int = 1000) -> list[int]:
     return [rng.randrange(3, 3 + vocab) for _ in range(n)]
 
 
-Generate = Callable[[list[list[int]], list[dict[str, Any]]], list[tuple[tuple[int, ...], int]]]
-"""(prompt token ids, kv_transfer_params) per request -> (generated ids, cached prompt tokens)."""
+Generate = Callable[[list[list[int]], list[dict[str, Any]], int], list[tuple[tuple[int, ...], int]]]
+"""(prompt token ids, kv_transfer_params per request, tokens to generate) -> (generated ids,
+cached prompt tokens) per request."""
 
 
 def llm_generate(llm: Any) -> Generate:
@@ -97,18 +198,37 @@ def llm_generate(llm: Any) -> Generate:
     from vllm import SamplingParams  # noqa: PLC0415 - vLLM only in .venv-vllm
 
     def generate(
-        prompts: list[list[int]], kv: list[dict[str, Any]]
+        prompts: list[list[int]], kv: list[dict[str, Any]], max_tokens: int
     ) -> list[tuple[tuple[int, ...], int]]:
         params = [
             SamplingParams(
-                temperature=0.0, max_tokens=OUTPUT_TOKENS, extra_args={"kv_transfer_params": p}
+                temperature=0.0,
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                extra_args={"kv_transfer_params": p},
             )
             for p in kv
         ]
         outs = llm.generate([{"prompt_token_ids": t} for t in prompts], params, use_tqdm=False)
+        _drain(llm)
         return [(tuple(o.outputs[0].token_ids), o.num_cached_tokens or 0) for o in outs]
 
     return generate
+
+
+def _drain(llm: Any, max_steps: int = 10_000) -> None:
+    """With the engine core in this process, step it until the connector has no transfer in
+    flight and no finished request holds blocks, as vLLM's own core process does when idle
+    (``LLM.generate`` returns once the outputs are out)."""
+    client = llm.llm_engine.engine_core
+    core = getattr(client, "engine_core", None)  # InprocClient only
+    if core is None:
+        return
+    for _ in range(max_steps):
+        if not core.scheduler.has_requests():
+            return
+        client.get_output()
+    raise RuntimeError(f"the engine core still has work after {max_steps} idle steps")
 
 
 def http_generate(base_url: str, model: str, timeout_s: float = 300.0) -> Generate:
@@ -118,11 +238,12 @@ def http_generate(base_url: str, model: str, timeout_s: float = 300.0) -> Genera
     ``usage.prompt_tokens_details.cached_tokens`` (start vLLM with
     ``--enable-prompt-tokens-details``)."""
 
-    def one(tokens: list[int], kv: dict[str, Any]) -> tuple[tuple[int, ...], int]:
+    def one(tokens: list[int], kv: dict[str, Any], max_tokens: int) -> tuple[tuple[int, ...], int]:
         body = {
             "model": model,
             "prompt": tokens,
-            "max_tokens": OUTPUT_TOKENS,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
             "temperature": 0.0,
             "return_token_ids": True,
             "kv_transfer_params": kv,
@@ -139,10 +260,10 @@ def http_generate(base_url: str, model: str, timeout_s: float = 300.0) -> Genera
         return tuple(choice.get("token_ids") or ()), int(details.get("cached_tokens") or 0)
 
     def generate(
-        prompts: list[list[int]], kv: list[dict[str, Any]]
+        prompts: list[list[int]], kv: list[dict[str, Any]], max_tokens: int
     ) -> list[tuple[tuple[int, ...], int]]:
         with ThreadPoolExecutor(max_workers=max(1, len(prompts))) as pool:
-            return list(pool.map(one, prompts, kv))
+            return list(pool.map(one, prompts, kv, [max_tokens] * len(prompts)))
 
     return generate
 
@@ -150,54 +271,53 @@ def http_generate(base_url: str, model: str, timeout_s: float = 300.0) -> Genera
 def replay(
     generate: Generate,
     name: str,
+    flows: Sequence[Flow],
     *,
-    n_workflows: int,
     concurrency: int,
-    seed: int,
-    retry: float,
-    vocab: int = 1000,
+    output_tokens: int = OUTPUT_TOKENS,
+    between_rounds: Callable[[Run], None] | None = None,
 ) -> Run:
-    """Drive the workload through one engine; closed loop (outputs join the transcript)."""
-    rng = random.Random(seed)
-    systems = {agent: _tokens(rng, SYSTEM_TOKENS, vocab) for agent in AGENTS}
-    pending = [
-        Workflow(f"wf{i}", _tokens(rng, TASK_TOKENS, vocab), random.Random(seed * 1000 + i), retry)
-        for i in range(n_workflows)
-    ]
-    active: list[Workflow] = []
+    """Drive the flows through one engine in rounds: one call of every active flow a round,
+    ``concurrency`` flows active at once. ``between_rounds`` runs before every round (the
+    daemon's snapshot, for the record)."""
+    pending = list(flows)
+    active: list[Flow] = []
     run = Run(name)
     t0 = time.perf_counter()
+    n_round = 0
     while pending or active:
         while pending and len(active) < concurrency:
             active.append(pending.pop(0))
+        if between_rounds is not None:
+            between_rounds(run)
         prompts: list[list[int]] = []
         params: list[dict[str, Any]] = []
-        for wf in active:
-            assert wf.agent is not None
-            tokens = systems[wf.agent] + wf.task + wf.transcript
-            nxt = wf.next_agent(wf.agent)
-            done = nxt is None or len(tokens) + TOOL_TOKENS + 2 * OUTPUT_TOKENS >= MAX_MODEL_LEN
+        for flow in active:
+            agent, tokens, done = flow.next_call()
             prompts.append(tokens)
             kv: dict[str, Any] = {
-                "workflow_id": wf.workflow_id,
-                "agent": wf.agent,
-                "workflow_type": "research",
+                "workflow_id": flow.workflow_id,
+                "agent": agent,
+                "workflow_type": flow.workflow_type,
             }
             if done:
                 kv["workflow_done"] = True
             params.append(kv)
-            wf.agent = None if done else nxt
-        for wf, tokens, (generated, cached) in zip(
-            active, prompts, generate(prompts, params), strict=True
+            run.calls.append({"round": n_round, "prompt": tokens, **kv})
+        first = len(run.calls) - len(prompts)
+        results = generate(prompts, params, output_tokens)
+        for i, (flow, tokens, (generated, cached)) in enumerate(
+            zip(active, prompts, results, strict=True)
         ):
+            run.calls[first + i]["generated"] = list(generated)
             run.outputs.append(generated)
             run.requests += 1
             run.prompt_tokens += len(tokens)
             run.output_tokens += len(generated)
             run.hit_tokens += cached
-            wf.transcript += list(generated) + _tokens(wf.rng, TOOL_TOKENS, vocab)  # tool answer
-            wf.calls += 1
-        active = [wf for wf in active if wf.agent is not None]
+            flow.took(generated)
+        active = [flow for flow in active if not flow.finished]
+        n_round += 1
     run.wall_s = time.perf_counter() - t0
     return run
 
@@ -208,7 +328,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def make_llm(model: Path, gpu_blocks: int, kv_transfer: dict[str, Any] | None) -> Any:
+def make_llm(
+    model: Path,
+    gpu_blocks: int,
+    kv_transfer: dict[str, Any] | None,
+    max_num_seqs: int = 8,
+    max_model_len: int = MAX_MODEL_LEN,
+) -> Any:
     from vllm import LLM  # noqa: PLC0415 - vLLM only in .venv-vllm
     from vllm.config import KVTransferConfig  # noqa: PLC0415
 
@@ -216,11 +342,11 @@ def make_llm(model: Path, gpu_blocks: int, kv_transfer: dict[str, Any] | None) -
         model=str(model),
         dtype="float32",
         block_size=BLOCK_TOKENS,
-        max_model_len=MAX_MODEL_LEN,
+        max_model_len=max_model_len,
         num_gpu_blocks_override=gpu_blocks,
         kv_cache_memory_bytes=gpu_blocks * KV_BYTES_PER_BLOCK,
         enforce_eager=True,
-        max_num_seqs=8,
+        max_num_seqs=max_num_seqs,
         seed=0,
         kv_transfer_config=KVTransferConfig(**kv_transfer) if kv_transfer else None,
     )
@@ -245,9 +371,12 @@ def connector_config(host_chunks: int, extra: dict[str, Any]) -> dict[str, Any]:
 
 
 class Daemon:
-    """``policyd serve`` from the main venv on ephemeral loopback ports."""
+    """``policyd serve`` from the main venv on ephemeral loopback ports, publishing snapshots
+    when asked (its timer set to an hour, the snapshots' TTL too)."""
 
-    def __init__(self, policyd: Path, policy: str, gpu_blocks: int, workdir: Path) -> None:
+    def __init__(
+        self, policyd: Path, policy: str, gpu_blocks: int, host_blocks: int, workdir: Path
+    ) -> None:
         self.events = f"tcp://127.0.0.1:{_free_port()}"
         self.snapshots = f"tcp://127.0.0.1:{_free_port()}"
         self.http = f"http://127.0.0.1:{_free_port()}"
@@ -255,7 +384,7 @@ class Daemon:
             str(policyd),
             "serve",
             "--db",
-            str(workdir / "history.duckdb"),
+            str(workdir / f"history-{policy}.duckdb"),
             "--events",
             self.events,
             "--snapshots",
@@ -266,14 +395,21 @@ class Daemon:
             policy,
             "--gpu-blocks",
             str(gpu_blocks),
+            "--profile",
+            DAEMON_PROFILE,
         ]
-        self.log = (workdir / "policyd.log").open("wb")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        env = {**os.environ, "POLICYD_SNAPSHOT_TTL_S": str(ON_DEMAND_S)}
+        self.log = (workdir / f"policyd-{policy}.log").open("wb")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 120
         while not self._ready():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"policyd serve did not become ready; see {workdir}/policyd.log")
+                raise RuntimeError(f"policyd serve did not become ready; see {workdir}")
             time.sleep(0.5)
+        # the daemon sizes its decisions by the host tier in GiB of its profile's blocks
+        host_gib = host_blocks * get_profile(DAEMON_PROFILE).kv_bytes_per_block / 2**30
+        settings = {"snapshot_interval_s": ON_DEMAND_S, "host_tier_gib": host_gib}
+        self._request("PUT", "/api/settings", settings)
 
     def _ready(self) -> bool:
         try:
@@ -282,10 +418,25 @@ class Daemon:
         except OSError:
             return False
 
+    def _request(self, method: str, path: str, body: Any = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.http + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return json.loads(resp.read())
+
+    def _get(self, path: str) -> dict[str, Any]:
+        out: dict[str, Any] = self._request("GET", path)
+        return out
+
     def stats(self) -> dict[str, Any]:
-        with urllib.request.urlopen(f"{self.http}/api/stats", timeout=5) as resp:
-            out: dict[str, Any] = json.loads(resp.read())
-            return out
+        return self._get("/api/stats")
+
+    def publish(self) -> dict[str, Any]:
+        """A snapshot of everything taken in so far, published; returns it."""
+        self._request("POST", "/api/snapshot/publish", {})
+        return self._get("/api/snapshot")
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -329,34 +480,48 @@ def table(records: Sequence[dict[str, Any]]) -> str:
 
 def _in_process(args: argparse.Namespace) -> list[Run]:
     work = Path(tempfile.mkdtemp(prefix="agentkv-replay-"))
-    model = build_tiny_llama(work / "tiny-llama", max_len_tokens=MAX_MODEL_LEN * 4)
+    model = build_tiny_llama(work / "tiny-llama", max_len_tokens=max(args.max_model_len, 4096))
     runs: list[Run] = []
     for name in args.runs.split(","):
         print(f"[replay] {name}: starting vLLM ...", file=sys.stderr, flush=True)
         daemon: Daemon | None = None
         kv: dict[str, Any] | None = None
+        trace_path = work / f"trace-{name}.jsonl"
+        extra: dict[str, Any] = {
+            **RECORD_CAPS,
+            "agentkv_step_ops": WHOLE_PLAN_OPS,
+            "agentkv_trace_path": str(trace_path),
+            "agentkv_trace_tiers": args.trace_tiers,
+        }
         if name == "vllm-default":
-            kv = connector_config(args.host_chunks, {"agentkv_daemon": False})
-        elif name == "agentkv":
-            daemon = Daemon(args.policyd, args.policy, args.gpu_blocks, work)
-            extra = {"agentkv_events_endpoint": daemon.events}
+            kv = connector_config(args.host_chunks, {**extra, "agentkv_daemon": False})
+        elif name != "gpu-only":
+            daemon = Daemon(args.policyd, name, args.gpu_blocks, args.host_chunks, work)
+            extra["agentkv_events_endpoint"] = daemon.events
             extra["agentkv_snapshot_endpoint"] = daemon.snapshots
             kv = connector_config(args.host_chunks, extra)
-        elif name != "gpu-only":
-            raise SystemExit(f"unknown run {name!r}: choose from gpu-only, vllm-default, agentkv")
-        llm = make_llm(model, args.gpu_blocks, kv)
+        llm = make_llm(
+            model,
+            args.gpu_blocks,
+            kv,
+            max_num_seqs=max(args.concurrency, 1),
+            max_model_len=args.max_model_len,
+        )
         try:
             run = replay(
                 llm_generate(llm),
                 name,
-                n_workflows=args.workflows,
+                flows_of(args),
                 concurrency=args.concurrency,
-                seed=args.seed,
-                retry=args.retry,
+                output_tokens=args.output_tokens,
+                between_rounds=None if daemon is None else _snapshot_between_rounds(daemon),
             )
+            run.policy = None if kv is None or daemon is None else name
             if daemon is not None:
                 time.sleep(1.0)  # let the last events arrive
                 run.daemon = daemon.stats()
+            if trace_path.exists():
+                run.trace = [json.loads(line) for line in trace_path.read_text().splitlines()]
             runs.append(run)
             print(
                 f"[replay] {name}: {run.requests} requests in {run.wall_s:.1f} s", file=sys.stderr
@@ -368,6 +533,64 @@ def _in_process(args: argparse.Namespace) -> list[Run]:
     return runs
 
 
+def flows_of(args: argparse.Namespace) -> list[Flow]:
+    """The workload: a real trace's prompts (``--prompts``) or generated research workflows."""
+    if args.prompts is not None:
+        return trace_flows(args.prompts)
+    return generated_flows(args.workflows, args.seed, args.retry, args.vocab)
+
+
+def _snapshot_between_rounds(daemon: Daemon) -> Callable[[Run], None]:
+    def publish(run: Run) -> None:
+        run.script[len(run.calls)] = daemon.publish()
+        time.sleep(RECEIVE_S)
+
+    return publish
+
+
+def record(runs: Sequence[Run], args: argparse.Namespace) -> dict[str, Any]:
+    """Everything ``policyd.sim.engine_check`` needs to replay the runs through the simulator:
+    the engine's capacities, and per run every request with the hit the connector traced."""
+    out: dict[str, Any] = {
+        "block_tokens": BLOCK_TOKENS,
+        "gpu_blocks": args.gpu_blocks - 1,  # vLLM keeps one block as its null block
+        "host_blocks": args.host_chunks,
+        "concurrency": args.concurrency,
+        "max_pinned_blocks": RECORD_CAPS["agentkv_max_pinned_blocks"],
+        "max_ranked_blocks": RECORD_CAPS["agentkv_max_ranked_blocks"],
+        "runs": [],
+    }
+    for run in runs:
+        if not run.trace:
+            continue  # gpu-only: no connector, nothing traced
+        allocated = [t for t in run.trace if not t.get("finished")]
+        finished = {t["request_id"]: t["block_hashes"] for t in run.trace if t.get("finished")}
+        if len(allocated) != len(run.calls):
+            raise RuntimeError(
+                f"{run.name}: {len(allocated)} traced requests for {len(run.calls)} sent"
+            )
+        # vLLM numbers requests in the order they were added: the k-th call sent is request k
+        # (vLLM may allocate them in another order, e.g. one waiting for a host load)
+        by_order = sorted(allocated, key=lambda t: int(str(t["request_id"]).split("-")[0]))
+        requests = []
+        for call, traced in zip(run.calls, by_order, strict=True):
+            if traced["workflow_id"] != call["workflow_id"]:
+                raise RuntimeError(f"{run.name}: trace out of order at {traced['request_id']}")
+            kept: dict[str, Any] = {k: traced[k] for k in (*TRACED, *TIERS) if k in traced}
+            # vLLM's block hashes (as the connector sends them): the prompt's full blocks, and
+            # every full block once the request ended (the generated tokens' included)
+            kept["full_block_hashes"] = finished.get(traced["request_id"], [])
+            requests.append({**call, **kept})
+        out["runs"].append(
+            {"name": run.name, "policy": run.policy, "requests": requests, "script": run.script}
+        )
+    return out
+
+
+TRACED: Final = ("block_hashes", "gpu_tokens", "host_tokens", "view_version", "may_store")
+TIERS: Final = ("gpu_free_order", "gpu_held", "host")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m connector.replay", description=__doc__)
     ap.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -375,6 +598,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--retry", type=float, default=0.5, help="verifier -> searcher probability")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--prompts",
+        type=Path,
+        help="replay a real trace's prompts (python -m policyd.traces.engine_prompts) instead",
+    )
+    ap.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS, help="per request")
+    ap.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
     ap.add_argument("--gpu-blocks", type=int, default=40)
     ap.add_argument("--host-chunks", type=int, default=96)
     ap.add_argument("--policy", default="agentkv", help="policyd serve --policy")
@@ -386,8 +616,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=1000, help="token ids used: 3 .. 3+vocab")
     ap.add_argument("--table", nargs="+", type=Path, help="print the table of saved --json runs")
     ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--record", type=Path, help="write the requests and snapshots here")
+    ap.add_argument(
+        "--trace-tiers", action="store_true", help="record both tiers' blocks at every request"
+    )
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the table, not vLLM's start-up log
+    if args.record:
+        # the engine core in this process: a round's requests all reach the scheduler before
+        # its first step, so a recorded run is a function of the requests (vLLM's default, a
+        # core process of its own, takes them in as they arrive over IPC)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
     if args.table:
         records = [rec for path in args.table for rec in json.loads(path.read_text())]
@@ -400,11 +639,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             replay(
                 http_generate(args.server.rstrip("/"), args.model),
                 args.label,
-                n_workflows=args.workflows,
+                flows_of(args),
                 concurrency=args.concurrency,
-                seed=args.seed,
-                retry=args.retry,
-                vocab=args.vocab,
+                output_tokens=args.output_tokens,
             )
         ]
     else:
@@ -420,6 +657,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"policyd ({r.name}): " + ", ".join(f"{k}={r.daemon.get(k)}" for k in keys))
     if args.json:
         args.json.write_text(json.dumps(records, indent=2))
+    if args.record:
+        args.record.write_text(json.dumps(record(runs, args)))
     return 0 if same else 1
 
 

@@ -62,7 +62,10 @@ class _Request:
     tags: RequestTags
     blocks: tuple[int, ...]
     prompt_tokens: int
+    gpu_tokens: int = 0  # the latest lookup's hit (vLLM looks a waiting request up again)
+    host_tokens: int = 0
     looked_up: bool = False
+    reported: bool = False
     may_store: bool = True
 
 
@@ -93,12 +96,15 @@ class ConnectorRuntime:
         tokens_per_block: int,
         max_pinned_blocks: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        trace: Callable[[dict[str, object]], None] | None = None,
     ) -> None:
         self.sink = sink
         self.snapshots = snapshots
         self.tokens_per_block = tokens_per_block
         self.max_pinned_blocks = max_pinned_blocks
         self.clock = clock
+        self.trace = trace  # one record per request at allocation (kv_connector_extra_config
+        # agentkv_trace_path): what the connector saw and decided, for audits and differentials
         self.counters = Counters()
         self.ownership = Ownership()
         self.generation = 0  # bumps whenever the applied view changes (new snapshot or stale)
@@ -160,26 +166,52 @@ class ConnectorRuntime:
         return tags
 
     def lookup_done(self, request_id: str, gpu_tokens: int, host_tokens: int) -> None:
-        """The request's prefix hit is known: report it and take its write-filter decision."""
+        """A prefix lookup for the request (vLLM repeats it while the request waits): keep its
+        hit and take the write filter's decision with the snapshot held now. Reported once, at
+        ``allocated``, with the hit of the lookup that got the request its blocks."""
         req = self._requests.get(request_id)
-        if req is None or req.looked_up:
+        if req is None or req.reported:
             return
-        req.looked_up = True
-        self.counters.lookups += 1
+        if not req.looked_up:
+            req.looked_up = True
+            self.counters.lookups += 1
+        req.gpu_tokens, req.host_tokens = gpu_tokens, host_tokens
+        view = self.refresh()
+        staged = view is not None and any(b in view.stage for b in req.blocks)
+        recomputed = len(req.blocks) - (gpu_tokens + host_tokens) // self.tokens_per_block
+        req.may_store = write_allowed(view, recomputed, staged)
+
+    def allocated(self, request_id: str) -> None:
+        """vLLM gave the request its blocks: report the prefix hit (once) and trace it."""
+        req = self._requests.get(request_id)
+        if req is None or req.reported or not req.looked_up:
+            return
+        req.reported = True
+        if not req.may_store:
+            self.counters.write_declined_requests += 1
         prompt_blocks = req.prompt_tokens // self.tokens_per_block
         hit = ev.prefix_hit(
             request_id,
             prompt_blocks=prompt_blocks,
-            gpu_tokens=gpu_tokens,
-            host_tokens=host_tokens,
+            gpu_tokens=req.gpu_tokens,
+            host_tokens=req.host_tokens,
             tokens_per_block=self.tokens_per_block,
             ts=self.clock(),
         )
-        view = self.refresh()
-        staged = view is not None and any(b in view.stage for b in req.blocks)
-        req.may_store = write_allowed(view, hit.recomputed_blocks, staged)
-        if not req.may_store:
-            self.counters.write_declined_requests += 1
+        if self.trace is not None:
+            view = self._view
+            self.trace(
+                {
+                    "request_id": request_id,
+                    "workflow_id": req.tags.workflow_id,
+                    "prompt_tokens": req.prompt_tokens,
+                    "block_hashes": list(req.blocks),
+                    "gpu_tokens": req.gpu_tokens,
+                    "host_tokens": req.host_tokens,
+                    "may_store": req.may_store,
+                    "view_version": None if view is None else view.version,
+                }
+            )
         self._emit(hit)
 
     def may_store(self, request_id: str) -> bool:
@@ -189,10 +221,17 @@ class ConnectorRuntime:
     def store_declined(self, n_blocks: int) -> None:
         self.counters.write_declined_blocks += n_blocks
 
-    def request_finished(self, request_id: str, output_tokens: int) -> None:
+    def request_finished(
+        self, request_id: str, output_tokens: int, block_hashes: Sequence[bytes] = ()
+    ) -> None:
+        """The request ended; ``block_hashes`` (traced only) are all its full blocks now, the
+        ones its generated tokens completed included."""
         req = self._requests.pop(request_id, None)
         if req is None:
             return
+        if self.trace is not None:
+            full = list(ev.block_hash_ints(block_hashes))
+            self.trace({"request_id": request_id, "finished": True, "block_hashes": full})
         now = self.clock()
         # the prompt's full blocks are now cached on the GPU (prefix caching)
         gpu_blocks = req.blocks[: req.prompt_tokens // self.tokens_per_block]

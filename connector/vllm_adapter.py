@@ -27,6 +27,7 @@ slow or sends garbage, degrades to vLLM's defaults and never reaches the request
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -42,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
@@ -561,7 +562,7 @@ class AgentKVConnector(OffloadingConnector):
         )
         self._step_ops = int(extra.get("agentkv_step_ops", DEFAULT_STEP_OPS))
         client: DaemonClient | None = None
-        if str(extra.get("agentkv_daemon", "true")).lower() not in ("0", "false", "no", "off"):
+        if _flag(extra.get("agentkv_daemon", True)):
             client = DaemonClient(
                 f"vllm-{os.getpid()}",
                 _endpoints(extra),
@@ -569,11 +570,20 @@ class AgentKVConnector(OffloadingConnector):
                 compile_snapshot=SnapshotView.of,  # indexed on the client's thread, not vLLM's
             )
         self._client = client
+        trace_path = extra.get("agentkv_trace_path")
+        trace: Callable[[dict[str, object]], None] | None = None
+        if trace_path is not None:
+            lines = _JsonLines(str(trace_path))
+            if _flag(extra.get("agentkv_trace_tiers", False)):  # tier contents: small pools only
+                trace = lambda record: lines({**record, **self._tier_contents()})  # noqa: E731
+            else:
+                trace = lines
         self._runtime = ConnectorRuntime(
             client if client is not None else _NullSink(),
             _views(client) if client is not None else _no_snapshot,
             tokens_per_block=self._block_size,
             max_pinned_blocks=max_pinned,
+            trace=trace,
         )
         manager = self.scheduler.manager
         if isinstance(manager, AgentKVManager):
@@ -589,6 +599,32 @@ class AgentKVConnector(OffloadingConnector):
     @property
     def runtime(self) -> ConnectorRuntime | None:
         return self._runtime
+
+    def _tier_contents(self) -> dict[str, object]:
+        """Both tiers' blocks (wire hashes): the GPU's cached blocks, free-queue order first
+        (the next victim first) then the held ones sorted, and the host tier's, sorted."""
+        out: dict[str, object] = {}
+        if self._gpu is not None:
+            pool = self._gpu.pool.pool
+            free = [
+                block_hash_int(bytes(get_block_hash(b.block_hash)))
+                for b in pool.free_block_queue.get_all_free_blocks()
+                if b.block_hash is not None
+            ]
+            free_set = set(free)
+            held = sorted(
+                {
+                    block_hash_int(bytes(get_block_hash(b.block_hash)))
+                    for b in pool.blocks
+                    if b.block_hash is not None and not b.is_null
+                }
+                - free_set
+            )
+            out["gpu_free_order"], out["gpu_held"] = free, held
+        manager = self.scheduler.manager if self.scheduler is not None else None
+        if isinstance(manager, AgentKVManager):
+            out["host"] = sorted(block_hash_int(k) for k in manager.scored_policy.chunks)
+        return out
 
     # -- scheduler hooks: vLLM's behaviour first, then AgentKV's, guarded ----------------------
 
@@ -630,7 +666,11 @@ class AgentKVConnector(OffloadingConnector):
             request, num_computed_tokens
         )
         rt, gpu = self._runtime, self._gpu
-        if gpu is not None:
+        if gpu is not None and rt is not None:
+            # a new snapshot's moves start before vLLM allocates for the request (the simulator
+            # applies them at the same point); then pins yield if the request needs their room
+            no_change: list[int] = []
+            self._guard.call("gpu decisions", lambda: gpu.apply(rt), no_change)
             self._guard.call("make room", lambda: gpu.make_room(request, num_computed_tokens), None)
         if rt is not None and result[0] is not None:
             host = result[0]
@@ -640,6 +680,12 @@ class AgentKVConnector(OffloadingConnector):
                 None,
             )
         return result
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        rt = self._runtime
+        if rt is not None:
+            self._guard.call("allocated", lambda: rt.allocated(request.request_id), None)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
         result: tuple[bool, Any] = super().request_finished(request, block_ids)
@@ -658,7 +704,11 @@ class AgentKVConnector(OffloadingConnector):
         if rt is not None:
             self._guard.call(
                 "request finished",
-                lambda: rt.request_finished(request.request_id, request.num_output_tokens),
+                lambda: rt.request_finished(
+                    request.request_id,
+                    request.num_output_tokens,
+                    [bytes(d) for d in request.block_hashes] if rt.trace is not None else (),
+                ),
                 None,
             )
 
@@ -675,6 +725,21 @@ class AgentKVConnector(OffloadingConnector):
         if self._client is not None:
             self._guard.call("client close", lambda: self._client.close(0.5), None)  # type: ignore[union-attr]
         super().shutdown()
+
+
+def _flag(value: object) -> bool:
+    return str(value).lower() not in ("0", "false", "no", "off")
+
+
+class _JsonLines:
+    """Appends one JSON object a line to a file (``agentkv_trace_path``), flushed per line."""
+
+    def __init__(self, path: str) -> None:
+        self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the run
+
+    def __call__(self, record: dict[str, object]) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
 
 
 class _NullSink:

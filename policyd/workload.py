@@ -30,12 +30,14 @@ def chain_hash(parent: int, key: bytes) -> int:
     return int.from_bytes(digest, "little")
 
 
-def hash_tokens(tokens: Sequence[int], parent: int = ROOT_HASH) -> list[int]:
-    """Chained hashes of the full ``BLOCK_SIZE_TOKENS`` blocks of ``tokens`` (a partial tail
-    block is not cached by vLLM and gets no hash)."""
+def hash_tokens(
+    tokens: Sequence[int], parent: int = ROOT_HASH, *, block_tokens: int = BLOCK_SIZE_TOKENS
+) -> list[int]:
+    """Chained hashes of the full ``block_tokens`` blocks of ``tokens`` (a partial tail block is
+    not cached by vLLM and gets no hash)."""
     hashes: list[int] = []
-    for start in range(0, len(tokens) - BLOCK_SIZE_TOKENS + 1, BLOCK_SIZE_TOKENS):
-        chunk = tokens[start : start + BLOCK_SIZE_TOKENS]
+    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        chunk = tokens[start : start + block_tokens]
         parent = chain_hash(parent, b"".join(t.to_bytes(4, "little") for t in chunk))
         hashes.append(parent)
     return hashes

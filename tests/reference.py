@@ -58,23 +58,28 @@ def cache_view(calls: Iterable[Call]) -> list[Call]:
     ]
 
 
+def output_blocks(call: Call) -> int:
+    """Full output blocks vLLM caches: the last generated token's KV is never computed."""
+    return max(0, call.output_tokens - 1) // BLOCK_SIZE_TOKENS
+
+
 def cached_blocks(call: Call) -> tuple[int, ...]:
     """What our simulator caches for an aligned call: prompt blocks, then output blocks."""
-    n_out = call.output_tokens // BLOCK_SIZE_TOKENS
-    return call.block_hashes + call.output_block_hashes[:n_out]
+    return call.block_hashes + call.output_block_hashes[: output_blocks(call)]
 
 
 def check_aligned(calls: Sequence[Call]) -> None:
     """Raise ``ValueError`` unless the references model these calls exactly: whole-block
-    prompt and output, every output block given, and output blocks fresh (never referenced
-    before their call, so a reference that looks them up with the prompt finds no hit there)."""
+    prompt, whole-block output computed (one token more, whose KV vLLM never computes), every
+    output block given, and output blocks fresh (never referenced before their call, so a
+    reference that looks them up with the prompt finds no hit there)."""
     seen: set[int] = set()
     for i, c in enumerate(calls):
-        n_out = c.output_tokens // BLOCK_SIZE_TOKENS
+        n_out = output_blocks(c)
         if (
             not c.block_hashes
             or c.prompt_tokens != BLOCK_SIZE_TOKENS * len(c.block_hashes)
-            or c.output_tokens % BLOCK_SIZE_TOKENS
+            or (c.output_tokens and (c.output_tokens - 1) % BLOCK_SIZE_TOKENS)
             or len(c.output_block_hashes) < n_out
         ):
             raise ValueError(f"call {i} ({c.workflow_id}) is not block-aligned: use cache_view")

@@ -119,9 +119,9 @@ def test_write_filter(wf: WriteFilter, new_blocks: int, staged: bool, allowed: b
 
 def test_pins_skip_retired_and_respect_the_cap() -> None:
     view = SnapshotView.of(snap(pin=(5, 6, 6, 7, 8, 9)))
-    assert select_pins(view, frozenset({6}), 3) == [5, 7, 8]
-    assert select_pins(view, frozenset(), 0) == []
-    assert select_pins(None, frozenset(), 10) == []
+    assert list(select_pins(view, frozenset({6}), 3)) == [5, 7, 8]
+    assert list(select_pins(view, frozenset(), 0)) == []
+    assert list(select_pins(None, frozenset(), 10)) == []
 
 
 def test_retired_blocks_exclude_blocks_shared_with_live_workflows() -> None:
@@ -308,8 +308,11 @@ def test_runtime_streams_a_request_lifecycle(
         rt = ConnectorRuntime(client, client.snapshot, tokens_per_block=32)
         params = {"workflow_id": "w1", "agent": "planner", "workflow_done": True}
         rt.request_started("r1", params, None, digests(1, 2, 3), prompt_tokens=100)
+        rt.lookup_done("r1", gpu_tokens=0, host_tokens=0)  # the request waits: looked up again
         rt.lookup_done("r1", gpu_tokens=32, host_tokens=32)
-        rt.lookup_done("r1", gpu_tokens=0, host_tokens=0)  # a second lookup is not reported
+        rt.allocated("r1")  # reported once, with the lookup that got it its blocks
+        rt.lookup_done("r1", gpu_tokens=0, host_tokens=0)
+        rt.allocated("r1")
         rt.host_stored([3])
         rt.request_finished("r1", output_tokens=4)
         got = drain(pull, 6)
@@ -344,7 +347,7 @@ def test_runtime_applies_the_snapshot_and_falls_back_when_stale(
         assert rt.may_store("new") is False
         assert rt.may_store("unknown-request") is True
         assert rt.retired_blocks == {8}  # 7 is shared with a live workflow
-        assert select_pins(rt.view, rt.retired_blocks, 1) == [9]  # capped at one
+        assert list(select_pins(rt.view, rt.retired_blocks, 1)) == [9]  # capped at one
         generation = rt.generation
         now[0] = 100.0  # the snapshot is now older than its ttl: LRU, store everything
         assert rt.refresh() is None

@@ -178,7 +178,7 @@ def tree_calls(ops: Sequence[Op], max_blocks: int = 24) -> list[Call]:
                 agent="tree",
                 block_hashes=prompt,
                 prompt_tokens=BLOCK_SIZE_TOKENS * len(prompt),
-                output_tokens=BLOCK_SIZE_TOKENS * len(output),
+                output_tokens=BLOCK_SIZE_TOKENS * len(output) + (1 if output else 0),
                 output_block_hashes=output,
             )
         )
@@ -388,8 +388,8 @@ def test_reference_adapters_refuse_unaligned_calls():
         check_aligned([dataclasses.replace(call, prompt_tokens=20)])
     with pytest.raises(ValueError, match="not block-aligned"):
         check_aligned([dataclasses.replace(call, output_tokens=16)])  # output blocks not given
-    first = dataclasses.replace(call, output_tokens=32, output_block_hashes=(1, 2))
-    again = dataclasses.replace(call, output_tokens=16, output_block_hashes=(2,))
+    first = dataclasses.replace(call, output_tokens=33, output_block_hashes=(1, 2))
+    again = dataclasses.replace(call, output_tokens=17, output_block_hashes=(2,))
     with pytest.raises(ValueError, match="outputs blocks referenced before"):
         check_aligned([first, again])
     check_aligned(cache_view([dataclasses.replace(call, prompt_tokens=20, output_tokens=5)]))

@@ -166,6 +166,13 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
     async def snapshot() -> Any:
         return _json_safe(await call(views.snapshot_view, service))
 
+    @app.post("/api/snapshot/publish", dependencies=[Depends(admin)])
+    async def publish_snapshot() -> Any:
+        try:
+            return await call(service.publish_snapshot_now)
+        except TimeoutError as exc:
+            raise ApiError(503, str(exc)) from None
+
     @app.get("/api/settings")
     async def get_settings() -> Any:
         return views.settings_view(service)

@@ -781,6 +781,34 @@ class Service:
             self.history.record("sizing", [sizing_row])
         return view
 
+    def publish_snapshot_now(self, quiet_s: float = 0.2, timeout_s: float = 30.0) -> dict[str, Any]:
+        """Publish a snapshot once ingestion is quiet: no running request, nothing queued, and
+        no event applied for ``quiet_s``. For runs that step the daemon between batches of
+        requests (the simulator-vs-engine differential); a live service publishes on its timer.
+        Raises ``TimeoutError`` if ingestion never goes quiet."""
+        deadline = time.monotonic() + timeout_s
+        last_events, quiet_since = -1, time.monotonic()
+        while True:
+            with self.lock:
+                events = self.engine.state.counters.events
+                running = len(self.engine.state.requests)
+            now = time.monotonic()
+            if events != last_events or running or len(self.queue):
+                last_events, quiet_since = events, now
+            elif now - quiet_since >= quiet_s:
+                break
+            if now > deadline:
+                raise TimeoutError(f"ingestion not quiet after {timeout_s:.0f} s")
+            time.sleep(0.02)
+        before = self.snapshots_published
+        self._publish_now.set()
+        while self.snapshots_published <= before:
+            if time.monotonic() > deadline:
+                raise TimeoutError("no snapshot published")
+            time.sleep(0.01)
+        snap = self.snapshot
+        return {"version": snap.version if snap else None, "events": events}
+
     def publish_history(self) -> dict[str, str]:
         path = self.history.publish_snapshot()
         return {"snapshot_path": str(path)}

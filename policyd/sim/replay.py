@@ -25,7 +25,7 @@ import dataclasses
 import heapq
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -87,12 +87,15 @@ class SimConfig:
     offload_prompt_only: bool = True  # vLLM 0.32's default: decode blocks are not offloaded
     record_requests: bool = False
     audit_declines: bool = False  # check declined host writes against Proposition 1 (audit.py)
+    block_tokens: int = BLOCK_SIZE_TOKENS  # vLLM's block size (the workload's hashes use it)
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.snapshot_interval_s <= 0:
             raise ValueError("snapshot_interval_s must be > 0")
+        if self.block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens}")
 
 
 @dataclass(slots=True)
@@ -122,9 +125,18 @@ class Simulator:
         config: SimConfig,
         *,
         offline_admission: OfflineAdmission | None = None,
+        script: Mapping[int, PolicySnapshot] | None = None,
     ) -> None:
         self.workload = workload
         self.offline_admission = offline_admission
+        # scripted snapshots: the k-th request admitted (from 0) adopts ``script[k]`` after its
+        # GPU prefix lookup, before its blocks are allocated - where the connector adopts a
+        # snapshot that arrived while vLLM was idle; the policy's own snapshots are not used
+        self.script = dict(script) if script is not None else None
+        # when a list: both tiers' blocks right after each request's allocation (engine_check)
+        self.tier_log: list[dict[str, list[int]]] | None = None
+        self._admitted_count = 0
+        self.block_tokens = config.block_tokens
         self.policy = policy
         self.config = config
         self.profile: HardwareProfile = get_profile(config.profile)
@@ -143,8 +155,9 @@ class Simulator:
         self.ownership = Ownership()
         # snapshots are applied for score-ordered policies and for any policy publishing more
         # than the empty default (a write filter); plain LRU runs without them, exactly
-        self._uses_snapshots = policy.ordering == "snapshot" or (
-            policy.ordering == "recency" and type(policy).snapshot is not Policy.snapshot
+        self._uses_snapshots = self.script is None and (
+            policy.ordering == "snapshot"
+            or (policy.ordering == "recency" and type(policy).snapshot is not Policy.snapshot)
         )
         self.gpu = GpuTier(
             gpu_blocks,
@@ -196,7 +209,7 @@ class Simulator:
         if ordering == "oracle":
             policy = self.policy
             return KeyedQueue(lambda blocks: policy.oracle_keys(tier, blocks))
-        if tier == "host" and self._uses_snapshots:
+        if tier == "host" and (self._uses_snapshots or self.script is not None):
             return HostOrderQueue()
         return LruQueue()
 
@@ -215,7 +228,11 @@ class Simulator:
             self._snapshot = msgspec.structs.replace(self._snapshot, ts=self.now)
             return
         self._events_at_snapshot = events
-        snap = self.engine.snapshot()
+        self._adopt(self.engine.snapshot())
+
+    def _adopt(self, snap: PolicySnapshot) -> None:
+        """Apply a snapshot as the connector does: the GPU moves, the host order, and the
+        write filter for the lookups that follow."""
         self._snapshot = snap
         view = self._view = SnapshotView.of(snap)
         retired = self.ownership.retired_blocks(view.retired_workflows)
@@ -262,6 +279,8 @@ class Simulator:
                     self._at(when + self.config.snapshot_interval_s, _SNAPSHOT, None)
             elif kind == _ARRIVE:
                 assert isinstance(payload, _Req)
+                # the connector learns who uses which blocks when vLLM adds the request
+                self.ownership.record(payload.call.workflow_id, payload.call.block_hashes)
                 self._waiting.append(payload)
                 self._admit_waiting()
             elif kind == _PREFILLED:
@@ -327,9 +346,11 @@ class Simulator:
             self._issue(stream_index, stream[i], i)
 
     def _issue(self, stream_index: int, call: Call, index: int) -> None:
-        total_tokens = call.prompt_tokens + call.output_tokens
-        physical = -(-total_tokens // BLOCK_SIZE_TOKENS)
-        n_out = total_tokens // BLOCK_SIZE_TOKENS - len(call.block_hashes)
+        # vLLM computes KV for the prompt and every generated token but the last (sampled, never
+        # fed back): those are the slots it allocates and the full blocks it caches
+        total_tokens = call.prompt_tokens + max(0, call.output_tokens - 1)
+        physical = -(-total_tokens // self.block_tokens)
+        n_out = total_tokens // self.block_tokens - len(call.block_hashes)
         output = call.output_block_hashes[:n_out]
         if len(output) < n_out:  # content unknown: unique blocks nobody will reuse
             output += tuple(
@@ -343,7 +364,7 @@ class Simulator:
         n = len(call.block_hashes)
         if self.config.recompute_last_token:
             # vLLM computes at least the last prompt token, so a fully cached prompt loses a block
-            return min(n, (call.prompt_tokens - 1) // BLOCK_SIZE_TOKENS)
+            return min(n, (call.prompt_tokens - 1) // self.block_tokens)
         return n
 
     def _admit_waiting(self) -> None:
@@ -353,6 +374,9 @@ class Simulator:
             blocks = req.call.block_hashes
             limit = self._hit_limit(req.call)
             gpu_hit = gpu.prefix_hits(blocks, limit)
+            if self.script is not None and self._admitted_count in self.script:
+                snap = self.script.pop(self._admitted_count)
+                self._adopt(msgspec.structs.replace(snap, ts=self.now))  # dated on arrival
             refs = gpu.refs
             queued_hits = len([b for b in blocks[:gpu_hit] if not refs[b]])
             new_blocks = req.physical_blocks - gpu_hit
@@ -369,6 +393,7 @@ class Simulator:
                     )
                 return
             self._waiting.popleft()
+            self._admitted_count += 1
             self._running += 1
             self._start(req, gpu_hit, limit, new_blocks)
 
@@ -403,9 +428,8 @@ class Simulator:
                 recomputed_blocks=len(blocks) - gpu_hit - host_hit,
             )
         )
-        # the connector's lookup: it records who uses the blocks and takes the write filter's
-        # decision for the request from the snapshot it holds (connector/runtime.py)
-        self.ownership.record(call.workflow_id, blocks)
+        # the connector's lookup takes the write filter's decision for the request from the
+        # snapshot it holds (connector/runtime.py)
         view = self._view_fresh()
         staged = view is not None and any(b in view.stage for b in blocks)
         req.may_store = write_allowed(view, len(blocks) - gpu_hit - host_hit, staged)
@@ -431,7 +455,9 @@ class Simulator:
             loaded = tuple(b for b in blocks[gpu_hit : gpu_hit + host_hit] if b in refs)
             if loaded:
                 events.append(BlocksLoaded(ts=now, block_hashes=loaded, request_id=req.rid))
-        computed_tokens = max(1, call.prompt_tokens - (gpu_hit + host_hit) * BLOCK_SIZE_TOKENS)
+        if self.tier_log is not None:
+            self.tier_log.append(self._tier_contents())
+        computed_tokens = max(1, call.prompt_tokens - (gpu_hit + host_hit) * self.block_tokens)
         prefill_start = max(now, self._compute_free_s, load_end)
         req.prefill_end_s = self._compute_free_s = (
             prefill_start + computed_tokens / profile.prefill_tokens_per_s
@@ -450,6 +476,18 @@ class Simulator:
                 RequestRecord(req.rid, call.workflow_id, call.agent, len(blocks), gpu_hit, host_hit)
             )
         self._at(req.prefill_end_s, _PREFILLED, req)
+
+    def _tier_contents(self) -> dict[str, list[int]]:
+        """As the connector traces them: the GPU's free queue (next victim first), its held
+        blocks sorted, the host tier's blocks sorted."""
+        free = list(self.gpu.queue) if isinstance(self.gpu.queue, LruQueue) else []
+        held = sorted(b for b, n in self.gpu.refs.items() if n)
+        host = self.host.queue
+        return {
+            "gpu_free_order": free,
+            "gpu_held": held,
+            "host": sorted(host) if isinstance(host, LruQueue | HostOrderQueue) else [],
+        }
 
     def _cache_gpu(self, req: _Req, blocks: Sequence[int], before: Sequence[int]) -> None:
         """Cache ``blocks`` on the GPU for ``req`` (``before``: its blocks that precede them)."""

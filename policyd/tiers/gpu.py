@@ -45,7 +45,7 @@ DEFAULT_PIN_FRACTION: Final = 0.01
 DEFAULT_RANK_FRACTION: Final = 0.05
 
 NOOP, RETIRE, UNPIN, RANK, PIN = range(5)  # plan operations
-CHUNK: Final = 32  # blocks looked at while planning count as one operation per CHUNK
+CHUNK: Final = 4  # blocks looked at while planning cost about one move: one operation a CHUNK
 
 
 def capped(blocks: int | None, fraction: float, pool_blocks: int) -> int:
@@ -95,11 +95,6 @@ class GpuCounters:
     yielded: int = 0  # times the pins were released for a request (make_room)
 
 
-def _chunked(n_blocks: int) -> Iterator[tuple[int, int]]:
-    """One ``NOOP`` per ``CHUNK`` blocks a planning pass looked at (its cost, budgeted)."""
-    return ((NOOP, 0) for _ in range(n_blocks // CHUNK))
-
-
 class GpuApplier(Generic[H]):
     """Applies views to one ``GpuPool``; remembers what it pinned (see module docstring)."""
 
@@ -128,8 +123,8 @@ class GpuApplier(Generic[H]):
         self.counters.plans += 1
 
     def _ops(self, view: SnapshotView | None, retired: frozenset[int]) -> Iterator[tuple[int, int]]:
-        """The plan, lazily: retire, unpin, rank (ascending), pin. Building it yields a
-        ``NOOP`` every ``CHUNK`` blocks looked at, so that this work is budgeted too."""
+        """The plan, lazily: retire, unpin, rank (ascending), pin. Planning yields a ``NOOP``
+        every ``CHUNK`` blocks it looks at, so that its work is budgeted like the moves."""
         if view is not None:
             yield from ((RETIRE, b) for b in retired)
         limit = max(self.max_pinned_blocks, self.max_ranked_blocks)
@@ -141,13 +136,14 @@ class GpuApplier(Generic[H]):
                     break
                 if len(top) % CHUNK == 0:
                     yield (NOOP, 0)
-        pins = select_pins(view, retired, self.max_pinned_blocks, then=top)
-        yield from _chunked(len(pins))
+        pins: list[int] = []
+        for i, block in enumerate(select_pins(view, retired, self.max_pinned_blocks, then=top)):
+            pins.append(block)
+            if i % CHUNK == 0:
+                yield (NOOP, 0)
         wanted = set(pins)
         yield from ((UNPIN, b) for b in list(self.pinned) if b not in wanted)
-        ranked = top[: self.max_ranked_blocks]
-        yield from _chunked(len(ranked))
-        yield from ((RANK, b) for b in reversed(ranked) if b not in wanted)
+        yield from ((RANK, b) for b in reversed(top[: self.max_ranked_blocks]) if b not in wanted)
         yield from ((PIN, b) for b in pins if b not in self.pinned)
 
     def make_room(self, need_blocks: int, available_blocks: int) -> bool:

@@ -101,27 +101,25 @@ def select_pins(
     retired: frozenset[int],
     cap_blocks: int,
     then: Iterable[int] = (),
-) -> list[int]:
+) -> Iterator[int]:
     """The blocks to pin on the GPU: the snapshot's list in its order, then ``then`` (the
     highest-ranked blocks), never a retired block, at most ``cap_blocks`` (pinned blocks are
     memory vLLM cannot allocate).
 
     >>> snap = PolicySnapshot(version=1, ts=0.0, ttl_s=5.0, policy="t", pin=(3, 1, 3))
-    >>> select_pins(SnapshotView.of(snap), frozenset({1}), 3, then=[7, 3, 8])
+    >>> list(select_pins(SnapshotView.of(snap), frozenset({1}), 3, then=[7, 3, 8]))
     [3, 7, 8]
     """
     if view is None or cap_blocks <= 0:
-        return []
-    out: list[int] = []
+        return
     seen: set[int] = set()
     for block in (*view.pin, *then):
         if block in retired or block in seen:
             continue
         seen.add(block)
-        out.append(block)
-        if len(out) >= cap_blocks:
-            break
-    return out
+        yield block
+        if len(seen) >= cap_blocks:
+            return
 
 
 class Ownership:
