@@ -33,6 +33,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -178,6 +179,7 @@ class Run:
     calls: list[dict[str, Any]] = field(default_factory=list)  # what was sent, in order
     script: dict[int, dict[str, Any]] = field(default_factory=dict)  # request index -> snapshot
     trace: list[dict[str, Any]] = field(default_factory=list)  # the connector's, per request
+    step_us: list[float] = field(default_factory=list)  # AgentKV's time per scheduler step
 
     @property
     def recomputed_tokens(self) -> int:
@@ -456,7 +458,16 @@ def run_record(r: Run) -> dict[str, Any]:
         "recomputed_tokens": r.recomputed_tokens,
         "output_tokens": r.output_tokens,
         "wall_s": round(r.wall_s, 3),
+        **_step_percentiles(r.step_us),
     }
+
+
+def _step_percentiles(step_us: Sequence[float]) -> dict[str, float]:
+    """AgentKV's added time per scheduler step, p50 and p99 (us), when the run traced it."""
+    if len(step_us) < 2:
+        return {}
+    q = statistics.quantiles(step_us, n=100)
+    return {"connector_step_p50_us": round(q[49], 1), "connector_step_p99_us": round(q[98], 1)}
 
 
 def table(records: Sequence[dict[str, Any]]) -> str:
@@ -464,16 +475,22 @@ def table(records: Sequence[dict[str, Any]]) -> str:
     base = next((r for r in records if r["run"] == "vllm-default"), records[0])
     lines = [
         f"{'run':<14} {'requests':>8} {'prompt tok':>10} {'hit tok':>9} {'recomputed tok':>14} "
-        f"{'vs default':>10} {'wall s':>7} {'out tok/s':>9}",
+        f"{'vs default':>10} {'wall s':>7} {'out tok/s':>9} {'step p50/p99 us':>16}",
     ]
     for r in records:
         ratio = (
             r["recomputed_tokens"] / base["recomputed_tokens"] if base["recomputed_tokens"] else 0
         )
         rate = r["output_tokens"] / r["wall_s"] if r["wall_s"] else 0.0
+        step = (
+            f"{r['connector_step_p50_us']:.0f}/{r['connector_step_p99_us']:.0f}"
+            if "connector_step_p50_us" in r
+            else "-"
+        )
         lines.append(
             f"{r['run']:<14} {r['requests']:>8} {r['prompt_tokens']:>10} {r['hit_tokens']:>9} "
-            f"{r['recomputed_tokens']:>14} {ratio:>9.2f}x {r['wall_s']:>7.1f} {rate:>9.1f}"
+            f"{r['recomputed_tokens']:>14} {ratio:>9.2f}x {r['wall_s']:>7.1f} {rate:>9.1f} "
+            f"{step:>16}"
         )
     return "\n".join(lines)
 
@@ -500,7 +517,7 @@ def _in_process(args: argparse.Namespace) -> list[Run]:
             extra["agentkv_events_endpoint"] = daemon.events
             extra["agentkv_snapshot_endpoint"] = daemon.snapshots
             kv = connector_config(args.host_chunks, extra)
-        llm = make_llm(
+        llm: Any = make_llm(
             model,
             args.gpu_blocks,
             kv,
@@ -520,14 +537,19 @@ def _in_process(args: argparse.Namespace) -> list[Run]:
             if daemon is not None:
                 time.sleep(1.0)  # let the last events arrive
                 run.daemon = daemon.stats()
+            close_llm(llm)  # the connector writes its step times when vLLM shuts it down
+            llm = None
             if trace_path.exists():
-                run.trace = [json.loads(line) for line in trace_path.read_text().splitlines()]
+                lines = [json.loads(line) for line in trace_path.read_text().splitlines()]
+                run.trace = [t for t in lines if "step_us" not in t]
+                run.step_us = [x for t in lines for x in t.get("step_us", ())]
             runs.append(run)
             print(
                 f"[replay] {name}: {run.requests} requests in {run.wall_s:.1f} s", file=sys.stderr
             )
         finally:
-            close_llm(llm)
+            if llm is not None:
+                close_llm(llm)
             if daemon is not None:
                 daemon.stop()
     return runs

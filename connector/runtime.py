@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Final, Protocol, TypeVar
 
@@ -38,9 +40,11 @@ class Guard:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.errors: dict[str, int] = {}
+        self.spent_ns = 0  # time inside guarded calls: what AgentKV adds to vLLM's hooks
         self._last_log_s: dict[str, float] = {}
 
     def call(self, what: str, fn: Callable[[], T], default: T) -> T:
+        t0 = time.perf_counter_ns()
         try:
             return fn()
         except Exception as exc:  # never into vLLM: degrade, count, log once per interval
@@ -55,6 +59,23 @@ class Guard:
                     self.errors[what],
                 )
             return default
+        finally:
+            self.spent_ns += time.perf_counter_ns() - t0
+
+
+class StepTimes:
+    """AgentKV's time per vLLM scheduler step (us): what a ``Guard`` spent since the previous
+    step closed. Keeps the newest ``keep`` steps."""
+
+    def __init__(self, guard: Guard, keep: int = 200_000) -> None:
+        self.guard = guard
+        self.steps_us: deque[float] = deque(maxlen=keep)
+        self._mark_ns = guard.spent_ns
+
+    def close_step(self) -> None:
+        spent = self.guard.spent_ns
+        self.steps_us.append((spent - self._mark_ns) / 1e3)
+        self._mark_ns = spent
 
 
 @dataclass(slots=True)
@@ -110,7 +131,7 @@ class ConnectorRuntime:
         self.generation = 0  # bumps whenever the applied view changes (new snapshot or stale)
         self._requests: dict[str, _Request] = {}
         self._view: SnapshotView | None = None
-        self._retired: frozenset[int] = frozenset()
+        self._retired: AbstractSet[int] = frozenset()
 
     # -- events ------------------------------------------------------------------------------
 
@@ -142,7 +163,7 @@ class ConnectorRuntime:
         return self._view
 
     @property
-    def retired_blocks(self) -> frozenset[int]:
+    def retired_blocks(self) -> AbstractSet[int]:
         return self._retired
 
     # -- requests ----------------------------------------------------------------------------

@@ -63,7 +63,7 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from connector.copy_plan import plan_rows
 from connector.events import block_hash_int
-from connector.runtime import ConnectorRuntime, Guard
+from connector.runtime import ConnectorRuntime, Guard, StepTimes
 from policyd.client import DaemonClient
 from policyd.tiers.gpu import DEFAULT_PIN_FRACTION, DEFAULT_RANK_FRACTION, GpuApplier, capped
 from policyd.tiers.host_order import HostOrder
@@ -543,6 +543,7 @@ class AgentKVConnector(OffloadingConnector):
         extra.setdefault("spec_module_path", __name__)
         super().__init__(vllm_config, role, kv_cache_config)
         self._guard = Guard()
+        self.step_times = StepTimes(self._guard)
         self._client: DaemonClient | None = None
         self._runtime: ConnectorRuntime | None = None
         self._gpu: GpuTier | None = None
@@ -588,6 +589,7 @@ class AgentKVConnector(OffloadingConnector):
         manager = self.scheduler.manager
         if isinstance(manager, AgentKVManager):
             manager.attach(self._runtime)
+            manager.guard = self._guard  # one account of AgentKV's time in the scheduler
         log.info(
             "agentkv connector (vLLM %s): daemon %s, GPU blocks pinned <= %d, ranked <= %d",
             VLLM_PIN,
@@ -717,9 +719,14 @@ class AgentKVConnector(OffloadingConnector):
         if gpu is not None and rt is not None:
             no_change: list[int] = []
             self._guard.call("gpu decisions", lambda: gpu.apply(rt), no_change)
+        self.step_times.close_step()  # once per scheduler step, at its end
         return super().build_connector_meta(scheduler_output)
 
     def shutdown(self) -> None:
+        rt = self._runtime
+        if rt is not None and rt.trace is not None:
+            steps = list(self.step_times.steps_us)
+            self._guard.call("trace", lambda: rt.trace({"step_us": steps}), None)  # type: ignore[misc]
         if self._gpu is not None:
             self._guard.call("unpin", self._gpu.unpin_all, None)
         if self._client is not None:

@@ -132,6 +132,46 @@ def test_retired_blocks_exclude_blocks_shared_with_live_workflows() -> None:
     assert own.retired_blocks(frozenset({"done", "live"})) == {1, 2, 3, 4}
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(
+                st.just("record"), st.integers(0, 5), st.lists(st.integers(0, 12), max_size=4)
+            ),
+            st.tuples(st.just("retire"), st.frozensets(st.integers(0, 6)), st.just([])),
+        ),
+        max_size=40,
+    )
+)
+def test_the_retired_set_kept_up_to_date_equals_its_definition(
+    ops: list[tuple[str, object, list[int]]],
+) -> None:
+    """Blocks whose every tracked owner is in the last retired list, recomputed from scratch
+    after every step, equal what ``Ownership`` keeps incrementally (forgetting included)."""
+    own = Ownership(max_workflows=4)
+    tracked: dict[str, set[int]] = {}  # the reference, in ``own``'s order
+    retired_now: frozenset[str] = frozenset()
+    for kind, arg, blocks in ops:
+        if kind == "record":
+            wf = f"w{arg}"
+            own.record(wf, blocks)
+            tracked.setdefault(wf, set()).update(blocks)
+            tracked[wf] = tracked.pop(wf)  # most recent last
+            while len(tracked) > 4:
+                del tracked[next(iter(tracked))]
+        else:
+            assert isinstance(arg, frozenset)
+            retired_now = frozenset(f"w{i}" for i in arg)
+        got = set(own.retired_blocks(retired_now))
+        owners: dict[int, set[str]] = {}
+        for wf, owned in tracked.items():
+            for b in owned:
+                owners.setdefault(b, set()).add(wf)
+        expected = {b for b, ws in owners.items() if ws <= retired_now}
+        assert got == expected
+
+
 def test_ownership_memory_is_bounded() -> None:
     own = Ownership(max_workflows=3)
     for i in range(10):

@@ -30,6 +30,7 @@ With an unchanged view ``step`` costs O(1).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from itertools import islice
 from typing import Final, Generic, Protocol, TypeVar
@@ -115,18 +116,22 @@ class GpuApplier(Generic[H]):
         """A plan is still being applied."""
         return self._plan is not None
 
-    def adopt(self, view: SnapshotView | None, retired: frozenset[int]) -> None:
+    def adopt(self, view: SnapshotView | None, retired: AbstractSet[int]) -> None:
         """Plan the moves for a new view (``None``: no fresh snapshot - release every pin).
         O(1): the plan is built as ``step`` performs it. A plan not finished yet is dropped: the
         new view supersedes it."""
         self._plan = self._ops(view, retired)
         self.counters.plans += 1
 
-    def _ops(self, view: SnapshotView | None, retired: frozenset[int]) -> Iterator[tuple[int, int]]:
+    def _ops(
+        self, view: SnapshotView | None, retired: AbstractSet[int]
+    ) -> Iterator[tuple[int, int]]:
         """The plan, lazily: retire, unpin, rank (ascending), pin. Planning yields a ``NOOP``
-        every ``CHUNK`` blocks it looks at, so that its work is budgeted like the moves."""
+        every ``CHUNK`` blocks it looks at, so that its work is budgeted like the moves.
+        ``retired`` may change while the plan runs (a live view): the retire phase works on the
+        blocks retired when it starts."""
         if view is not None:
-            yield from ((RETIRE, b) for b in retired)
+            yield from ((RETIRE, b) for b in tuple(retired))
         limit = max(self.max_pinned_blocks, self.max_ranked_blocks)
         top: list[int] = []
         if view is not None and limit > 0:

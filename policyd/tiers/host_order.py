@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Set as AbstractSet
 from typing import Generic, TypeVar
 
 from policyd.tiers.view import SnapshotView
@@ -36,7 +37,7 @@ class HostOrder(Generic[K]):
         self._heap: list[tuple[Priority, K]] = []
         self._next_rank = 0
         self._view: SnapshotView | None = None
-        self._retired: frozenset[int] = frozenset()
+        self._retired: AbstractSet[int] = frozenset()
 
     def __len__(self) -> int:
         return len(self._rank)
@@ -54,7 +55,7 @@ class HostOrder(Generic[K]):
 
     # -- the snapshot -----------------------------------------------------------------------
 
-    def set_view(self, view: SnapshotView | None, retired: frozenset[int] = frozenset()) -> None:
+    def set_view(self, view: SnapshotView | None, retired: AbstractSet[int] = frozenset()) -> None:
         """Adopt a new snapshot (or none: plain LRU) and re-key every evictable key."""
         self._view = view
         self._retired = retired if view is not None else frozenset()

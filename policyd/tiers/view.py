@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Final
 
@@ -54,7 +55,7 @@ class SnapshotView:
         """Lower = evict first; blocks the snapshot does not name get ``default_score``."""
         return self.scores.get(block, self.default_score)
 
-    def ranked(self, excluded: frozenset[int] = frozenset()) -> Iterator[int]:
+    def ranked(self, excluded: AbstractSet[int] = frozenset()) -> Iterator[int]:
         """The blocks scored above ``default_score``, highest first (a group's blocks in its
         order), each once at its own score, none in ``excluded``; lazily, so a caller that
         stops early pays for what it took (sorting the groups was done in ``of``)."""
@@ -98,7 +99,7 @@ def write_allowed(view: SnapshotView | None, new_blocks: int, staged: bool = Fal
 
 def select_pins(
     view: SnapshotView | None,
-    retired: frozenset[int],
+    retired: AbstractSet[int],
     cap_blocks: int,
     then: Iterable[int] = (),
 ) -> Iterator[int]:
@@ -126,30 +127,58 @@ class Ownership:
     """Which workflows' requests used which blocks, as seen by this connector.
 
     A block is *retired* when every workflow that used it is retired (finished): PBKV's
-    lifecycle rule. Memory is bounded by forgetting the oldest workflows first. Each block's
-    number of owners is kept, so the retired blocks cost O(blocks of the retired workflows).
+    lifecycle rule. Memory is bounded by forgetting the oldest workflows first. The retired set
+    is kept up to date as requests are recorded and workflows retire, so a new snapshot costs
+    O(blocks of the workflows it newly retires), not O(every block seen).
     """
 
     def __init__(self, max_workflows: int = MAX_TRACKED_WORKFLOWS) -> None:
         self.max_workflows = max_workflows
         self._blocks: OrderedDict[str, set[int]] = OrderedDict()
-        self._owners: dict[int, int] = {}
+        self._owners: dict[int, int] = {}  # block -> tracked workflows that used it
+        self._retired_owners: dict[int, int] = {}  # block -> how many of those are retired
+        self._retired_workflows: set[str] = set()
+        self._dead: set[int] = set()  # blocks whose every owner is retired
 
     def record(self, workflow_id: str, blocks: Iterable[int]) -> None:
         owned = self._blocks.get(workflow_id)
         if owned is None:
             owned = self._blocks[workflow_id] = set()
             while len(self._blocks) > self.max_workflows:
-                self._forget(self._blocks.popitem(last=False)[1])
+                self._forget(*self._blocks.popitem(last=False))
         else:
             self._blocks.move_to_end(workflow_id)
         owners = self._owners
+        retired = workflow_id in self._retired_workflows
         for block in blocks:
             if block not in owned:
                 owned.add(block)
                 owners[block] = owners.get(block, 0) + 1
+                if retired:
+                    self._retired_owners[block] = self._retired_owners.get(block, 0) + 1
+                self._settle(block)
 
-    def _forget(self, blocks: set[int]) -> None:
+    def _settle(self, block: int) -> None:
+        n = self._owners.get(block, 0)
+        if n and self._retired_owners.get(block, 0) == n:
+            self._dead.add(block)
+        else:
+            self._dead.discard(block)
+
+    def _count_retired(self, blocks: Iterable[int], step: int) -> None:
+        counts = self._retired_owners
+        for block in blocks:
+            left = counts.get(block, 0) + step
+            if left:
+                counts[block] = left
+            else:
+                counts.pop(block, None)
+            self._settle(block)
+
+    def _forget(self, workflow_id: str, blocks: set[int]) -> None:
+        if workflow_id in self._retired_workflows:
+            self._retired_workflows.discard(workflow_id)
+            self._count_retired(blocks, -1)
         owners = self._owners
         for block in blocks:
             left = owners[block] - 1
@@ -157,18 +186,23 @@ class Ownership:
                 owners[block] = left
             else:
                 del owners[block]
+            self._settle(block)
 
     def workflows(self) -> list[str]:
         return list(self._blocks)
 
-    def retired_blocks(self, retired_workflows: frozenset[str]) -> frozenset[int]:
-        """Blocks owned only by retired workflows (run once per snapshot)."""
-        retired_owners: dict[int, int] = {}
-        for workflow_id in retired_workflows:
-            for block in self._blocks.get(workflow_id, ()):
-                retired_owners[block] = retired_owners.get(block, 0) + 1
-        owners = self._owners
-        return frozenset(b for b, n in retired_owners.items() if n == owners[b])
+    def retired_blocks(self, retired_workflows: AbstractSet[str]) -> AbstractSet[int]:
+        """Blocks owned only by retired workflows, once ``retired_workflows`` are the retired
+        ones (a snapshot's list). A live view: it follows later ``record`` calls (a block a
+        live workflow uses again leaves it); copy it to iterate while recording."""
+        tracked = {w for w in retired_workflows if w in self._blocks}
+        for workflow_id in tracked - self._retired_workflows:
+            self._retired_workflows.add(workflow_id)
+            self._count_retired(self._blocks[workflow_id], +1)
+        for workflow_id in self._retired_workflows - tracked:
+            self._retired_workflows.discard(workflow_id)
+            self._count_retired(self._blocks[workflow_id], -1)
+        return self._dead
 
 
 def ordered_unique(blocks: Sequence[int]) -> list[int]:
