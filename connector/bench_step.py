@@ -5,7 +5,8 @@
 A 40,000-block pool (vLLM 0.32's ``BlockPool``, no engine) runs a stream of agent requests:
 each scheduler step starts or finishes a request (prefix hits touched, new blocks allocated and
 cached, blocks freed tail first), and every ``--snapshot-every`` steps a new snapshot arrives
-that names ``--named`` blocks with scores and retires a few workflows. Per step the benchmark
+that names ``--named`` blocks with scores and lists the workflows that finished (one more each
+time; a new workflow takes its place). Per step the benchmark
 times exactly the connector's share: ``GpuTier.apply`` (refresh the view, adopt a new plan,
 perform at most ``--step-ops`` pool operations of it). It prints p50 / p99 / max in
 microseconds for steps with an unchanged view and for all steps, side by side with the same
@@ -26,8 +27,8 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
 from connector.runtime import ConnectorRuntime
-from connector.vllm_adapter import DEFAULT_STEP_OPS, GpuTier
-from policyd.tiers.gpu import DEFAULT_PIN_FRACTION, DEFAULT_RANK_FRACTION
+from connector.vllm_adapter import GpuTier
+from policyd.tiers.gpu import DEFAULT_STEP_OPS, gpu_caps
 from policyd.tiers.view import SnapshotView
 from policyd.types import Event, PolicySnapshot, ScoredBlocks
 
@@ -51,17 +52,21 @@ def run(args: argparse.Namespace, *, snapshots: bool) -> dict[str, list[float]]:
     pool = BlockPool(num_gpu_blocks=args.blocks + 1, enable_caching=True, hash_block_size=TOKENS)
     current: list[SnapshotView | None] = [None]  # as the client's thread indexed it
     rt = ConnectorRuntime(_Sink(), lambda: current[0], tokens_per_block=TOKENS)
+    pinned, ranked = gpu_caps(args.blocks)
     tier = GpuTier(
         pool,
         [GROUP],
-        max_pinned_blocks=int(args.blocks * DEFAULT_PIN_FRACTION),
-        max_ranked_blocks=int(args.blocks * DEFAULT_RANK_FRACTION),
+        max_pinned_blocks=pinned,
+        max_ranked_blocks=ranked,
         budget_ops=args.step_ops,
     )
     # workflows: a shared system prompt, then each its own growing transcript
     system = list(range(1, 65))
     next_block = iter(range(10_000, 10**9))
     transcripts: dict[str, list[int]] = {}
+    active = [f"wf{i}" for i in range(args.workflows)]
+    finished: list[str] = []  # the daemon lists workflows that finished, newest last
+    next_workflow = iter(range(args.workflows, 10**9))
     running: dict[str, list[Any]] = {}
     known: list[int] = []
     version = 0
@@ -74,7 +79,7 @@ def run(args: argparse.Namespace, *, snapshots: bool) -> dict[str, list[float]]:
             pool.free_blocks(reversed(running.pop(rid)))
             rt.request_finished(rid, 8)
         else:
-            wf = f"wf{rng.randrange(args.workflows)}"
+            wf = rng.choice(active)
             transcript = transcripts.setdefault(wf, [])
             transcript.extend(next(next_block) for _ in range(rng.randrange(4, 40)))
             blocks = system + transcript[-args.max_prompt_blocks :]
@@ -110,7 +115,11 @@ def run(args: argparse.Namespace, *, snapshots: bool) -> dict[str, list[float]]:
                 ScoredBlocks(rng.random() * 4, tuple(named[i : i + 32]))
                 for i in range(0, len(named), 32)
             )
-            retired = tuple(f"wf{rng.randrange(args.workflows)}" for _ in range(2))
+            # one workflow finished since the last snapshot; a new one takes its place
+            done = active.pop(rng.randrange(len(active)))
+            active.append(f"wf{next(next_workflow)}")
+            finished = [*finished, done][-args.retired_listed :]
+            retired = tuple(finished)
             snap = PolicySnapshot(
                 version=version,
                 ts=0.0,
@@ -150,7 +159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="steps between snapshots (1 s at 20 ms a step)",
     )
     p.add_argument("--named", type=int, default=20_000, help="blocks each snapshot scores")
-    p.add_argument("--workflows", type=int, default=64)
+    p.add_argument("--workflows", type=int, default=64, help="active at once")
+    p.add_argument(
+        "--retired-listed", type=int, default=64, help="finished workflows a snapshot lists"
+    )
     p.add_argument("--running", type=int, default=16, help="requests running at once")
     p.add_argument("--max-prompt-blocks", type=int, default=1500)
     p.add_argument("--step-ops", type=int, default=DEFAULT_STEP_OPS)

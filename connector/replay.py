@@ -47,6 +47,7 @@ from typing import Any, Final
 
 from connector.tiny_model import build_tiny_llama
 from policyd.sim.profiles import get_profile
+from policyd.tiers.gpu import DEFAULT_STEP_OPS, gpu_caps
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 BLOCK_TOKENS: Final = 32
@@ -60,10 +61,6 @@ AGENTS: Final = ("planner", "searcher", "verifier", "writer")
 DAEMON_PROFILE: Final = "h200-llama3.1-8b"  # the daemon's bytes per block (sizing only)
 ON_DEMAND_S: Final = 3600.0  # the daemon's timer and TTL: snapshots come between rounds
 RECEIVE_S: Final = 0.5  # time for the connector's client to receive a published snapshot
-# the connector's GPU caps for recorded runs, and a step budget that applies a whole plan at
-# the lookup that adopts it, as the simulator does (the budget is tested on its own)
-RECORD_CAPS: Final = {"agentkv_max_pinned_blocks": 2, "agentkv_max_ranked_blocks": 16}
-WHOLE_PLAN_OPS: Final = 1_000_000
 
 
 @dataclass
@@ -505,8 +502,8 @@ def _in_process(args: argparse.Namespace) -> list[Run]:
         kv: dict[str, Any] | None = None
         trace_path = work / f"trace-{name}.jsonl"
         extra: dict[str, Any] = {
-            **RECORD_CAPS,
-            "agentkv_step_ops": WHOLE_PLAN_OPS,
+            **_caps(args),
+            **_step_ops(args),
             "agentkv_trace_path": str(trace_path),
             "agentkv_trace_tiers": args.trace_tiers,
         }
@@ -555,6 +552,17 @@ def _in_process(args: argparse.Namespace) -> list[Run]:
     return runs
 
 
+def _caps(args: argparse.Namespace) -> dict[str, int]:
+    """The connector's GPU caps for this run (the defaults unless given), as it applies them."""
+    pinned, ranked = gpu_caps(args.gpu_blocks - 1, args.max_pinned_blocks, args.max_ranked_blocks)
+    return {"agentkv_max_pinned_blocks": pinned, "agentkv_max_ranked_blocks": ranked}
+
+
+def _step_ops(args: argparse.Namespace) -> dict[str, int]:
+    """The plan operations per lookup: ``--step-ops``, else the connector's default."""
+    return {"agentkv_step_ops": args.step_ops or DEFAULT_STEP_OPS}
+
+
 def flows_of(args: argparse.Namespace) -> list[Flow]:
     """The workload: a real trace's prompts (``--prompts``) or generated research workflows."""
     if args.prompts is not None:
@@ -578,8 +586,9 @@ def record(runs: Sequence[Run], args: argparse.Namespace) -> dict[str, Any]:
         "gpu_blocks": args.gpu_blocks - 1,  # vLLM keeps one block as its null block
         "host_blocks": args.host_chunks,
         "concurrency": args.concurrency,
-        "max_pinned_blocks": RECORD_CAPS["agentkv_max_pinned_blocks"],
-        "max_ranked_blocks": RECORD_CAPS["agentkv_max_ranked_blocks"],
+        "max_pinned_blocks": _caps(args)["agentkv_max_pinned_blocks"],
+        "max_ranked_blocks": _caps(args)["agentkv_max_ranked_blocks"],
+        "step_ops": _step_ops(args)["agentkv_step_ops"],
         "runs": [],
     }
     for run in runs:
@@ -626,6 +635,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="replay a real trace's prompts (python -m policyd.traces.engine_prompts) instead",
     )
     ap.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS, help="per request")
+    ap.add_argument("--max-pinned-blocks", type=int, help="agentkv_max_pinned_blocks")
+    ap.add_argument("--max-ranked-blocks", type=int, help="agentkv_max_ranked_blocks")
+    ap.add_argument("--step-ops", type=int, help="agentkv_step_ops (default: the connector's)")
     ap.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
     ap.add_argument("--gpu-blocks", type=int, default=40)
     ap.add_argument("--host-chunks", type=int, default=96)

@@ -65,7 +65,7 @@ from connector.copy_plan import plan_rows
 from connector.events import block_hash_int
 from connector.runtime import ConnectorRuntime, Guard, StepTimes
 from policyd.client import DaemonClient
-from policyd.tiers.gpu import DEFAULT_PIN_FRACTION, DEFAULT_RANK_FRACTION, GpuApplier, capped
+from policyd.tiers.gpu import DEFAULT_STEP_OPS, GpuApplier, gpu_caps
 from policyd.tiers.host_order import HostOrder
 from policyd.tiers.view import SnapshotView
 from policyd.wire import Endpoints
@@ -75,7 +75,6 @@ log = logging.getLogger("agentkv.connector")
 VLLM_PIN: Final = "0.32.0"
 SPEC_NAME: Final = "AgentKVSpec"
 POLICY_NAME: Final = "ScoredCachePolicy"
-DEFAULT_STEP_OPS: Final = 64  # pool operations per scheduler step while a plan is applied
 MAX_DIGESTS: Final = 1 << 20  # wire hash -> vLLM hash, for blocks the snapshot names
 
 
@@ -450,7 +449,7 @@ class VllmPool:
 class GpuTier:
     """The snapshot's GPU-side decisions on vLLM's live ``BlockPool``: ``policyd.tiers.gpu``'s
     plan (retire, rank, pin), the same code the simulator runs, at most ``budget_ops`` pool
-    operations per scheduler step. Blocks a running request holds are never moved."""
+    operations at each prefix lookup. Blocks a running request holds are never moved."""
 
     def __init__(
         self,
@@ -498,16 +497,23 @@ class GpuTier:
                     need += 1
         return self.applier.make_room(need, available)
 
-    def apply(self, rt: ConnectorRuntime) -> list[int]:
-        """One scheduler step: adopt the runtime's view if it changed, then perform up to
-        ``budget_ops`` moves of the plan; the blocks the retire rule evicted."""
+    def apply(
+        self, rt: ConnectorRuntime, request: Any = None, num_computed_tokens: int = 0
+    ) -> list[int]:
+        """At a prefix lookup: adopt the runtime's view if it changed, then perform up to
+        ``budget_ops`` moves of the plan (never retiring the request's counted prefix hit);
+        the blocks the retire rule evicted."""
         rt.refresh()
         if rt.generation != self._applied_generation:
             self._applied_generation = rt.generation
             self.applier.adopt(rt.view, rt.retired_blocks)
         if not self.applier.busy:
             return []
-        evicted = self.applier.step(self.budget_ops)
+        hit: frozenset[int] = frozenset()
+        if request is not None and num_computed_tokens:
+            n = num_computed_tokens // self.pool.pool.hash_block_size
+            hit = frozenset(block_hash_int(bytes(d)) for d in request.block_hashes[:n])
+        evicted = self.applier.step(self.budget_ops, hit)
         rt.counters.gpu_pinned_blocks = len(self.applier.pinned)
         rt.gpu_removed(evicted)
         return evicted
@@ -557,9 +563,8 @@ class AgentKVConnector(OffloadingConnector):
     def _start(self, extra: dict[str, Any], kv_cache_config: Any) -> None:
         pin, rank = extra.get("agentkv_max_pinned_blocks"), extra.get("agentkv_max_ranked_blocks")
         n_blocks = kv_cache_config.num_blocks
-        max_pinned = capped(None if pin is None else int(pin), DEFAULT_PIN_FRACTION, n_blocks)
-        self._max_ranked = capped(
-            None if rank is None else int(rank), DEFAULT_RANK_FRACTION, n_blocks
+        max_pinned, self._max_ranked = gpu_caps(
+            n_blocks, None if pin is None else int(pin), None if rank is None else int(rank)
         )
         self._step_ops = int(extra.get("agentkv_step_ops", DEFAULT_STEP_OPS))
         client: DaemonClient | None = None
@@ -669,10 +674,13 @@ class AgentKVConnector(OffloadingConnector):
         )
         rt, gpu = self._runtime, self._gpu
         if gpu is not None and rt is not None:
-            # a new snapshot's moves start before vLLM allocates for the request (the simulator
-            # applies them at the same point); then pins yield if the request needs their room
+            # the snapshot's moves, a budget of them at each lookup, before vLLM allocates for
+            # the request (the simulator steps them at the same point); then pins yield if the
+            # request needs their room
             no_change: list[int] = []
-            self._guard.call("gpu decisions", lambda: gpu.apply(rt), no_change)
+            self._guard.call(
+                "gpu decisions", lambda: gpu.apply(rt, request, num_computed_tokens), no_change
+            )
             self._guard.call("make room", lambda: gpu.make_room(request, num_computed_tokens), None)
         if rt is not None and result[0] is not None:
             host = result[0]
@@ -715,10 +723,6 @@ class AgentKVConnector(OffloadingConnector):
             )
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
-        gpu, rt = self._gpu, self._runtime
-        if gpu is not None and rt is not None:
-            no_change: list[int] = []
-            self._guard.call("gpu decisions", lambda: gpu.apply(rt), no_change)
         self.step_times.close_step()  # once per scheduler step, at its end
         return super().build_connector_meta(scheduler_output)
 

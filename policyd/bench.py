@@ -118,6 +118,9 @@ class BenchSpec:
     noise: Sequence[float] = ()
     # generated workloads: this many streams (workflows / tasks) instead of each default
     streams: int | None = None
+    # the connector's GPU caps (None: its defaults, fractions of the pool)
+    max_ranked_blocks: int | None = None
+    max_pinned_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if any(not 0.0 <= x <= 1.0 for x in self.noise):
@@ -192,6 +195,8 @@ def run_bench(
                 host_blocks=host_blocks,
                 profile=spec.profile,
                 snapshot_interval_s=spec.snapshot_interval_s,
+                max_ranked_blocks=spec.max_ranked_blocks,
+                max_pinned_blocks=spec.max_pinned_blocks,
             )
             point: dict[str, Report] = {}
             for policy in policies:

@@ -104,6 +104,20 @@ def build_parser() -> argparse.ArgumentParser:
         "(the degradation curve; lru is the floor)",
     )
     bench.add_argument(
+        "--max-ranked-blocks",
+        type=int,
+        default=None,
+        help="the connector's cap on GPU blocks a snapshot re-ranks (agentkv_max_ranked_blocks; "
+        "default 2048, or the whole pool if smaller)",
+    )
+    bench.add_argument(
+        "--max-pinned-blocks",
+        type=int,
+        default=None,
+        help="the connector's cap on GPU blocks a snapshot pins (agentkv_max_pinned_blocks; "
+        "default 1%% of the GPU pool)",
+    )
+    bench.add_argument(
         "--json", metavar="PATH", help="also write the results as JSON ('-' = stdout)"
     )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -157,6 +171,8 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         profile=args.profile,
         seed=args.seed,
         noise=args.noise,
+        max_ranked_blocks=args.max_ranked_blocks,
+        max_pinned_blocks=args.max_pinned_blocks,
     )
     console = _console()
     command = reproduce_command(argv)

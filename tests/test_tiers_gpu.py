@@ -107,3 +107,23 @@ def test_a_new_view_supersedes_an_unfinished_plan() -> None:
 def test_negative_caps_are_refused() -> None:
     with pytest.raises(ValueError, match="must be >= 0"):
         GpuApplier(GpuTier(4, LruQueue()), max_pinned_blocks=-1)
+
+
+def test_the_retire_rule_spares_the_prefix_hit_of_the_request_being_looked_up() -> None:
+    gpu = pool_with_free([1, 2, 3], capacity=3)
+    applier = GpuApplier(gpu)
+    applier.adopt(view({}), frozenset({1, 2, 3}))
+    # vLLM has counted blocks 1 and 2 as the request's hit before the connector is asked
+    assert applier.step(hit=frozenset({1, 2})) == [3]
+    assert 1 in gpu and 2 in gpu and 3 not in gpu
+
+
+def test_a_block_no_longer_retired_when_its_turn_comes_is_kept() -> None:
+    gpu = pool_with_free([1, 2, 3], capacity=3)
+    applier = GpuApplier(gpu)
+    retired = {1, 2, 3}  # a live set, as Ownership keeps it
+    applier.adopt(view({}), retired)
+    assert applier.step(1) == [1]
+    retired.discard(2)  # a new request of a live workflow uses block 2
+    assert applier.step() == [3]
+    assert 2 in gpu

@@ -47,6 +47,7 @@ class Capacities:
     concurrency: int
     max_pinned_blocks: int
     max_ranked_blocks: int
+    step_ops: int
 
     @classmethod
     def of(cls, rec: dict[str, Any]) -> Capacities:
@@ -60,6 +61,7 @@ class Capacities:
             block_tokens=self.block_tokens,
             max_pinned_blocks=self.max_pinned_blocks,
             max_ranked_blocks=self.max_ranked_blocks,
+            step_ops=self.step_ops,
             record_requests=True,
             **kw,
         )

@@ -37,7 +37,7 @@ from policyd.sim.audit import DeclineAudit
 from policyd.sim.cache import GpuTier, HostOrderQueue, HostTier, KeyedQueue, LruQueue, RunningSpace
 from policyd.sim.profiles import HardwareProfile, get_profile
 from policyd.sim.report import Report, RequestRecord
-from policyd.tiers.gpu import DEFAULT_PIN_FRACTION, DEFAULT_RANK_FRACTION, GpuApplier, capped
+from policyd.tiers.gpu import DEFAULT_STEP_OPS, GpuApplier, gpu_caps
 from policyd.tiers.view import Ownership, SnapshotView, write_allowed
 from policyd.types import (
     BATCH_CODEC,
@@ -84,6 +84,7 @@ class SimConfig:
     # None: the connector's defaults, fractions of the GPU pool
     max_pinned_blocks: int | None = None
     max_ranked_blocks: int | None = None
+    step_ops: int | None = DEFAULT_STEP_OPS  # plan operations per lookup (None: a whole plan)
     offload_prompt_only: bool = True  # vLLM 0.32's default: decode blocks are not offloaded
     record_requests: bool = False
     audit_declines: bool = False  # check declined host writes against Proposition 1 (audit.py)
@@ -166,11 +167,8 @@ class Simulator:
             admits=self._oracle_admits("gpu"),
         )
         self.host = HostTier(host_blocks, self._queue("host"), admits=self._oracle_admits("host"))
-        self.gpu_applier = GpuApplier(
-            self.gpu,
-            max_pinned_blocks=capped(config.max_pinned_blocks, DEFAULT_PIN_FRACTION, gpu_blocks),
-            max_ranked_blocks=capped(config.max_ranked_blocks, DEFAULT_RANK_FRACTION, gpu_blocks),
-        )
+        pinned, ranked = gpu_caps(gpu_blocks, config.max_pinned_blocks, config.max_ranked_blocks)
+        self.gpu_applier = GpuApplier(self.gpu, max_pinned_blocks=pinned, max_ranked_blocks=ranked)
         # policies that size decisions by the tiers (write filters) are told their capacities,
         # as the daemon tells them from its settings
         configure = getattr(policy, "configure_tiers", None)
@@ -236,13 +234,18 @@ class Simulator:
         self._snapshot = snap
         view = self._view = SnapshotView.of(snap)
         retired = self.ownership.retired_blocks(view.retired_workflows)
-        self.gpu_applier.adopt(view, retired)
-        evicted = self.gpu_applier.step(None)
+        self.gpu_applier.adopt(view, retired)  # stepped at the lookups that follow
+        if isinstance(self.host.queue, HostOrderQueue):
+            self.host.queue.set_view(view, retired)
+
+    def _step_plan(self, hit: frozenset[int]) -> None:
+        """The connector's work at a prefix lookup: up to ``step_ops`` moves of the plan."""
+        if not self.gpu_applier.busy:
+            return
+        evicted = self.gpu_applier.step(self.config.step_ops, hit)
         if evicted:
             self._events.append(BlocksRemoved(ts=self.now, tier="gpu", block_hashes=tuple(evicted)))
             self.report.gpu_evicted_blocks += len(evicted)
-        if isinstance(self.host.queue, HostOrderQueue):
-            self.host.queue.set_view(view, retired)
 
     def _view_fresh(self) -> SnapshotView | None:
         """The applied view while its snapshot is fresh; None (LRU, store all) once stale."""
@@ -377,6 +380,7 @@ class Simulator:
             if self.script is not None and self._admitted_count in self.script:
                 snap = self.script.pop(self._admitted_count)
                 self._adopt(msgspec.structs.replace(snap, ts=self.now))  # dated on arrival
+            self._step_plan(frozenset(blocks[:gpu_hit]))
             refs = gpu.refs
             queued_hits = len([b for b in blocks[:gpu_hit] if not refs[b]])
             new_blocks = req.physical_blocks - gpu_hit

@@ -22,9 +22,11 @@ slots without a hash), which the queue does not offer at bounded cost.
 The pool is anything with the ``GpuPool`` interface: ``connector.vllm_adapter.VllmPool`` over
 vLLM's ``BlockPool`` and ``policyd.sim.cache.GpuTier`` implement it, and both run this plan, so
 the simulator credits exactly what the connector applies. A new view builds a plan;
-``step(budget_ops)`` performs at most ``budget_ops`` pool operations of it (the scheduler's step
-time stays bounded however large the snapshot is) and ``step(None)`` all of it (the simulator).
-With an unchanged view ``step`` costs O(1).
+``step(budget_ops)`` performs at most ``budget_ops`` pool operations of it, so the time vLLM's
+thread spends stays bounded however large the snapshot is (``step(None)``: all of it). Both the
+connector and the simulator step the plan at each prefix lookup, before the request's blocks
+are allocated: the free queue's order matters when something is allocated. With no plan
+pending, ``step`` costs O(1).
 """
 
 from __future__ import annotations
@@ -39,19 +41,37 @@ from policyd.tiers.view import SnapshotView, select_pins
 
 H = TypeVar("H")
 
-# the connector's default caps, as fractions of the GPU pool (kv_connector_extra_config
-# agentkv_max_pinned_blocks / agentkv_max_ranked_blocks override them; the simulator's SimConfig
-# takes the same two)
+# The connector's default caps (kv_connector_extra_config agentkv_max_pinned_blocks /
+# agentkv_max_ranked_blocks override them; the simulator's SimConfig takes the same two).
+# Pins hold memory, so theirs is a share of the pool. Ranking costs a pool operation per block,
+# so its cap is a count: what the step budget moves within about one snapshot interval
+# (connector.bench_step: ~2 us an operation, 64 a step). Measured on fact-checking, 64 at once,
+# 8,192 GPU blocks: 0 ranked 1.002x LRU's hit rate, 409 1.018x, 2,048 1.093x, all 8,192 1.118x;
+# pins 0-5% of the pool change it by under 1% (docs/RESULTS.md).
 DEFAULT_PIN_FRACTION: Final = 0.01
-DEFAULT_RANK_FRACTION: Final = 0.05
+DEFAULT_MAX_RANKED_BLOCKS: Final = 2048
+# Plan operations performed at each prefix lookup (just before vLLM allocates for a request,
+# the moment the free queue's order is used): bounded work on vLLM's thread per request
+# (agentkv_step_ops; the simulator's SimConfig.step_ops).
+DEFAULT_STEP_OPS: Final = 64
 
 NOOP, RETIRE, UNPIN, RANK, PIN = range(5)  # plan operations
 CHUNK: Final = 4  # blocks looked at while planning cost about one move: one operation a CHUNK
 
 
-def capped(blocks: int | None, fraction: float, pool_blocks: int) -> int:
-    """A cap in blocks: the one given, or ``fraction`` of the pool."""
-    return int(pool_blocks * fraction) if blocks is None else blocks
+def gpu_caps(
+    pool_blocks: int, max_pinned_blocks: int | None = None, max_ranked_blocks: int | None = None
+) -> tuple[int, int]:
+    """(pinned, ranked) caps for a pool: the ones given, else the defaults."""
+    pinned = (
+        int(pool_blocks * DEFAULT_PIN_FRACTION) if max_pinned_blocks is None else max_pinned_blocks
+    )
+    ranked = (
+        min(pool_blocks, DEFAULT_MAX_RANKED_BLOCKS)
+        if max_ranked_blocks is None
+        else max_ranked_blocks
+    )
+    return pinned, ranked
 
 
 class GpuPool(Protocol[H]):
@@ -130,8 +150,8 @@ class GpuApplier(Generic[H]):
         every ``CHUNK`` blocks it looks at, so that its work is budgeted like the moves.
         ``retired`` may change while the plan runs (a live view): the retire phase works on the
         blocks retired when it starts."""
-        if view is not None:
-            yield from ((RETIRE, b) for b in tuple(retired))
+        if view is not None:  # (each still retired when its turn comes)
+            yield from ((RETIRE, b) for b in tuple(retired) if b in retired)
         limit = max(self.max_pinned_blocks, self.max_ranked_blocks)
         top: list[int] = []
         if view is not None and limit > 0:
@@ -160,10 +180,11 @@ class GpuApplier(Generic[H]):
         self.counters.yielded += 1
         return True
 
-    def step(self, budget_ops: int | None = None) -> list[int]:
+    def step(self, budget_ops: int | None = None, hit: AbstractSet[int] = frozenset()) -> list[int]:
         """Perform up to ``budget_ops`` operations of the current plan (all when None); returns
-        the blocks evicted by the retire rule (the caller reports them as removed). Without a
-        plan it costs O(1)."""
+        the blocks evicted by the retire rule (the caller reports them as removed). ``hit``:
+        the prefix hit of the request being looked up, which vLLM has counted already - the
+        retire rule leaves those blocks alone. Without a plan it costs O(1)."""
         plan = self._plan
         if plan is None:
             return []
@@ -171,13 +192,14 @@ class GpuApplier(Generic[H]):
         if budget_ops is None or len(batch) < budget_ops:
             self._plan = None
         self.counters.ops += len(batch)
-        return self._run(batch)
+        return self._run(batch, hit)
 
-    def _run(self, batch: Sequence[tuple[int, int]]) -> list[int]:
+    def _run(self, batch: Sequence[tuple[int, int]], hit: AbstractSet[int]) -> list[int]:
         pool = self.pool
         evicted: list[int] = []
         evict: list[H] = []
         tail: list[H] = []
+        moved: set[int] = set()  # a block moves once a batch (evicted, or sent to the tail)
         for kind, block in batch:
             if kind == NOOP:
                 continue
@@ -187,16 +209,19 @@ class GpuApplier(Generic[H]):
                     pool.free([handle])
                 continue
             if kind == PIN:
-                if block in self.pinned:
+                if block in self.pinned or block in moved:
                     continue
                 handle = pool.lookup(block)
                 if handle is not None:
                     pool.touch([handle])
                     self.pinned[block] = handle
                 continue
+            if (kind == RETIRE and block in hit) or block in moved:
+                continue  # the request being looked up counts on it; or moved already
             handle = pool.lookup(block)
             if handle is None or not pool.is_free(handle):
                 continue  # gone, held by a request, or pinned: nothing to move
+            moved.add(block)
             if kind == RETIRE:
                 evict.append(handle)
                 evicted.append(block)

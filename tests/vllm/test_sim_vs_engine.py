@@ -30,6 +30,7 @@ def record(tmp_path: Path, concurrency: int, workflows: int, gpu_blocks: int) ->
         sys.executable, "-m", "connector.replay", "--runs", "vllm-default,agentkv",
         "--workflows", str(workflows), "--concurrency", str(concurrency),
         "--gpu-blocks", str(gpu_blocks), "--host-chunks", "32", "--trace-tiers",
+        "--max-pinned-blocks", "2", "--max-ranked-blocks", "16",
         "--record", str(out),
     ]  # fmt: skip
     result = subprocess.run(
