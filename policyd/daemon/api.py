@@ -8,6 +8,7 @@ thread. Errors are ``{"error": "..."}`` with a 4xx status; admin routes need
 from __future__ import annotations
 
 import hmac
+import json
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -27,6 +28,8 @@ from policyd.history import SqlRefused
 T = TypeVar("T")
 U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
 MAX_SQL_ROWS = 10_000
+MAX_SETTINGS_BODY_BYTES = 64 * 1024  # a settings change is a few keys
+MAX_ERRORS_SHOWN = 20
 DECISION_KINDS = ("evict", "admit", "decline", "prefetch", "pin", "retire")
 
 
@@ -94,12 +97,17 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
 
+    token_bytes = (token or "").encode("utf-8")
+
     def admin(request: Request) -> None:
         if not token:
             return
         header = request.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), token):
+        # header values arrive decoded as latin-1: compare bytes (a str with non-ASCII
+        # characters is a TypeError in compare_digest, which was a 500)
+        given_bytes = given.strip().encode("latin-1", errors="replace")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given_bytes, token_bytes):
             raise ApiError(401, "this route needs 'Authorization: Bearer <token>'")
 
     async def call(fn: Callable[..., T], *args: Any) -> T:
@@ -172,16 +180,22 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
 
     @app.put("/api/settings", dependencies=[Depends(admin)])
     async def put_settings(request: Request) -> Any:
+        raw = await request.body()
+        if len(raw) > MAX_SETTINGS_BODY_BYTES:
+            raise ApiError(413, f"the body is over {MAX_SETTINGS_BODY_BYTES} bytes")
         try:
-            body = await request.json()
-        except ValueError:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             raise ApiError(400, 'the body must be a JSON object {"key": value, ...}') from None
         if not isinstance(body, dict) or not body:
             raise ApiError(400, 'the body must be a non-empty JSON object {"key": value, ...}')
         errors = await call(service.update_settings, body, "api")
         if errors:
-            summary = "; ".join(f"{k}: {v}" for k, v in errors.items())
-            raise ApiError(400, f"nothing applied: {summary}", errors=errors)
+            shown = list(errors.items())[:MAX_ERRORS_SHOWN]
+            summary = "; ".join(f"{k}: {v}" for k, v in shown)
+            if len(errors) > len(shown):
+                summary += f"; and {len(errors) - len(shown)} more"
+            raise ApiError(400, f"nothing applied: {summary}", errors=dict(shown))
         return views.settings_view(service)
 
     @app.get("/api/settings/history")

@@ -169,12 +169,13 @@ class Service:
             "restored": False,
             "error": None,
             "moved_to": None,
+            "rejected_settings": {},  # persisted settings ignored at start, and why
         }
         self.checkpoint_saves = 0
         self._restored_predictions: PredictionLog | None = None
         self._restore()
         self.engine = Engine(
-            self._build_policy(str(self.tunables["policy"])),
+            self._start_policy(),
             hook=self._observe,
             clock=clock,
             snapshot_ttl_s=settings.snapshot_ttl_s,
@@ -403,10 +404,32 @@ class Service:
             self.shards = shards
         saved = models.get("tunables")
         if isinstance(saved, dict):
-            good, _ = validate_tunables(saved)  # a setting that no longer validates is dropped
+            # a persisted setting that does not validate (out of range, from an older daemon,
+            # a hand-edited file) is reported and its default kept: the daemon always starts
+            good, errors = validate_tunables(saved)
             good.pop("policy", None)  # the policy named at start (flag, env, default) wins
             self.tunables.update(good)
+            self._report_rejected(errors)
         self.checkpoint_info["restored"] = True
+
+    def _report_rejected(self, errors: Mapping[str, str]) -> None:
+        for key, why in errors.items():
+            log.warning("persisted setting %s ignored, its default used: %s", key[:200], why)
+        rejected = self.checkpoint_info.setdefault("rejected_settings", {})
+        assert isinstance(rejected, dict)
+        rejected.update(errors)
+
+    def _start_policy(self) -> Policy:
+        """The policy at start, from the restored settings; settings the policy refuses (a
+        value a later daemon no longer accepts) are reported and their defaults used."""
+        try:
+            return self._build_policy(str(self.tunables["policy"]))
+        except Exception as exc:
+            defaults = default_tunables(self.settings.policy)
+            changed = [k for k in POLICY_PARAMS if self.tunables.get(k) != defaults[k]]
+            self._report_rejected({k: f"refused by the policy: {exc}" for k in changed})
+            self.tunables.update({k: defaults[k] for k in changed})
+            return self._build_policy(str(self.tunables["policy"]))
 
     def save_checkpoint(self) -> dict[str, object]:
         with self.lock:

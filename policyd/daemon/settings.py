@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -28,6 +29,41 @@ from policyd.wire import (
 
 ENV_PREFIX: Final = "POLICYD_"
 HISTORY_WRITERS: Final = ("process", "thread")
+MAX_SECONDS: Final = 366 * 86400.0  # the longest interval or timeout a setting may name
+# settings in seconds that must be positive and at most MAX_SECONDS (0 or 1e308 would spin or
+# overflow the thread that waits on them)
+POSITIVE_SECONDS: Final = (
+    "checkpoint_interval_s",
+    "tick_interval_s",
+    "idle_timeout_s",
+    "snapshot_ttl_s",
+    "stats_interval_s",
+    "sizing_interval_s",
+    "history_flush_interval_s",
+    "history_retention_s",
+)
+QUOTE_CHARS: Final = 200  # at most this much of a bad value is quoted back in an error
+
+
+def quote(value: object, limit: int = QUOTE_CHARS) -> str:
+    """``repr(value)`` cut to about ``limit`` characters, safe on values of any size or depth (a
+    10 MB string, a 2,000-deep list): error messages quote a bad value, never echo it whole.
+
+    >>> quote("x" * 1000)[:12], len(quote("x" * 1000)) < 260
+    ("'xxxxxxxxxxx", True)
+    >>> quote([[[[[1]]]]])
+    '[[[[[...]]]]]'
+    """
+    short = reprlib.Repr()
+    short.maxlevel, short.maxstring, short.maxother, short.maxlong = 4, limit, limit, limit
+    short.maxlist = short.maxtuple = short.maxdict = short.maxset = 8
+    try:
+        text = short.repr(value)
+    except (RecursionError, ValueError):  # pathological nesting; ints past the digit limit
+        text = f"<{type(value).__name__}>"
+    if len(text) > limit:
+        text = f"{text[:limit]}... ({len(text)} characters)"
+    return text
 
 
 def _help(text: str, **extra: Any) -> Any:
@@ -186,6 +222,14 @@ class DaemonSettings:
             )
         if self.profile not in PROFILES:
             raise ValueError(f"unknown profile {self.profile!r}; valid: {', '.join(PROFILES)}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{f.name} must be a finite number, got {quote(value)}")
+        for name in POSITIVE_SECONDS:
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= MAX_SECONDS:
+                raise ValueError(f"{name} must be in (0, {MAX_SECONDS:g}] s, got {quote(value)}")
         if self.heap_trim_interval_s < 0:
             raise ValueError("heap_trim_interval_s must be >= 0 (0 turns it off)")
         if self.shed_above_frames >= self.ingest_queue_frames:
@@ -245,29 +289,36 @@ class Tunable:
     max: float | None = None
     min_exclusive: bool = False
 
+    def range_text(self) -> str:
+        """The declared range, as error messages and the docs show it: ``(0, 1]``."""
+        if self.choices is not None:
+            return "one of " + ", ".join(self.choices)
+        low = "(" if self.min_exclusive else "["
+        return f"{low}{_number(self.min)}, {_number(self.max)}]"
+
     def check(self, value: object) -> object:
-        """The value converted to ``type``, or ``ValueError`` saying what is wrong."""
+        """The value converted to ``type``, or ``ValueError`` saying what is wrong (the range
+        named, the bad value quoted to at most ``QUOTE_CHARS`` characters)."""
         if self.type is int:
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{self.key} must be an integer, got {value!r}")
+                raise ValueError(f"{self.key} must be an integer, got {quote(value)}")
         elif self.type is float:
             if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"{self.key} must be a number, got {value!r}")
+                raise ValueError(f"{self.key} must be a number, got {quote(value)}")
             value = float(value)
             if not math.isfinite(value):
-                raise ValueError(f"{self.key} must be finite, got {value!r}")
+                raise ValueError(
+                    f"{self.key} must be a finite number in {self.range_text()}, got {quote(value)}"
+                )
         elif not isinstance(value, str):
-            raise ValueError(f"{self.key} must be a string, got {value!r}")
+            raise ValueError(f"{self.key} must be a string, got {quote(value)}")
         if self.choices is not None and value not in self.choices:
-            raise ValueError(f"{self.key} must be one of {', '.join(self.choices)}, got {value!r}")
+            raise ValueError(f"{self.key} must be {self.range_text()}, got {quote(value)}")
         if isinstance(value, int | float):
-            if self.min is not None and (
-                value <= self.min if self.min_exclusive else value < self.min
-            ):
-                op = ">" if self.min_exclusive else ">="
-                raise ValueError(f"{self.key} must be {op} {self.min}, got {value!r}")
-            if self.max is not None and value > self.max:
-                raise ValueError(f"{self.key} must be <= {self.max}, got {value!r}")
+            assert self.min is not None and self.max is not None  # declared (tunables())
+            below = value <= self.min if self.min_exclusive else value < self.min
+            if below or value > self.max:
+                raise ValueError(f"{self.key} must be in {self.range_text()}, got {quote(value)}")
         return value
 
     def describe(self, value: object) -> dict[str, object]:
@@ -283,8 +334,21 @@ class Tunable:
         }
 
 
+MAX_BLOCKS_SETTING: Final = 1_000_000  # prefetch budget, write-filter kappa
+MAX_HOST_TIER_GIB: Final = 1024.0 * 1024.0  # 1 PiB: host blocks stay a finite integer
+
+
+def _number(value: float | None) -> str:
+    """1048576.0 -> '1048576', 0.05 -> '0.05' (a range as people write it)."""
+    if value is None:
+        return "?"
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
 def tunables() -> dict[str, Tunable]:
-    """The live knobs (names final; HTTP_API.md), in display order."""
+    """The live knobs (names final; HTTP_API.md), in display order. Every number has a range
+    (``min``..``max``) inside which the daemon keeps working: a sizing of 1e308 GiB or a
+    snapshot every 1e-300 s are refused, not applied."""
     items = [
         Tunable("policy", str, "pbkv", "Eviction/admission/prefetch policy.",
                 choices=tuple(online_policies())),
@@ -292,26 +356,26 @@ def tunables() -> dict[str, Tunable]:
         Tunable("discount", float, 0.8, "Weight of step k+1 relative to step k in the lookahead "
                 "score (PBKV's gamma).", min=0.0, max=1.0, min_exclusive=True),
         Tunable("prefetch_budget_blocks", int, 0, "Blocks staged/prefetched per snapshot "
-                "(0: no prefetch).", min=0),
+                "(0: no prefetch).", min=0, max=MAX_BLOCKS_SETTING),
         Tunable("write_filter_mode", str, "conditioned", "Host-tier write filter of policies "
                 "that have one (efficientagent): none = write all, fixed = always decline large "
                 "refills, conditioned = only under pressure.",
                 choices=("none", "fixed", "conditioned")),
         Tunable("write_filter_kappa_chunks", int, 8, "A request adding more than this many new "
                 "chunks (1024 tokens each) is a large refill the filter may decline "
-                "(EfficientAgent's kappa).", min=1),
+                "(EfficientAgent's kappa).", min=1, max=MAX_BLOCKS_SETTING),
         Tunable("write_filter_theta", float, 0.95, "Host-tier occupancy at or above which the "
                 "tier counts as under pressure (write filter).", min=0.0, max=1.0,
                 min_exclusive=True),
         Tunable("host_tier_gib", float, 256.0, "Current host-tier size (sizing and pressure).",
-                min=0.0),
+                min=0.0, max=MAX_HOST_TIER_GIB),
         Tunable("block_sample_rate", float, 1.0,
                 "Share of block-level rows the history keeps at most (halved while its writer "
                 "is behind).", min=0.0, max=1.0, min_exclusive=True),
         Tunable("snapshot_interval_s", float, 0.5, "Seconds between published snapshots.",
-                min=0.0, min_exclusive=True),
+                min=0.05, max=3600.0),
         Tunable("history_publish_interval_s", float, 30.0, "Seconds between published history "
-                "snapshot files (what SQL reads).", min=0.0, min_exclusive=True),
+                "snapshot files (what SQL reads).", min=1.0, max=86400.0),
     ]  # fmt: skip
     return {t.key: t for t in items}
 
@@ -324,7 +388,7 @@ def validate_tunables(changes: Mapping[str, object]) -> tuple[dict[str, object],
     for key, value in changes.items():
         tunable = known.get(key)
         if tunable is None:
-            errors[key] = f"unknown setting {key!r}; valid: {', '.join(known)}"
+            errors[key[:QUOTE_CHARS]] = f"unknown setting {quote(key)}; valid: {', '.join(known)}"
             continue
         try:
             good[key] = tunable.check(value)
