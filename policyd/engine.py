@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from policyd.policies.base import Policy
 
 Clock = Callable[[], float]
+MAX_SOURCES = 4096  # sources whose last sequence number the Engine keeps
 
 
 @dataclass(slots=True)
@@ -73,7 +74,13 @@ class RequestState:
 class Counters:
     events: int = 0
     batches: int = 0
-    seq_gaps: int = 0
+    seq_gaps: int = 0  # a batch's seq past the next expected one (batches lost)
+    seq_duplicates: int = 0  # a batch's seq equal to the last one (sent twice)
+    seq_regressions: int = 0  # a batch's seq below the last one (out of order, or forged)
+    seq_restarts: int = 0  # seq back to 0 or 1 after more: the source restarted
+    stale_batches_dropped: int = 0  # duplicates and regressions not applied (drop_stale)
+    sources_forgotten: int = 0  # sources evicted from the bounded per-source table
+    requests_expired: int = 0  # requests dropped after request_timeout_s without finishing
     unknown_requests: int = 0
     workflows_started: int = 0
     workflows_finished: int = 0
@@ -173,6 +180,10 @@ class Engine:
     ``idle_timeout_s``: a workflow with no running request for this long is inferred finished.
     ``hook``: called with each event after the state and the policy saw it (the daemon's
     bookkeeping).
+    ``drop_stale``: batches whose sequence number is a duplicate or a regression of their
+    source's are counted and not applied (the daemon); otherwise counted and applied.
+    ``max_sources``: sources whose last sequence number is kept (least recently heard first
+    out), so a flood of source names cannot grow the table.
     """
 
     def __init__(
@@ -183,8 +194,12 @@ class Engine:
         snapshot_ttl_s: float = 5.0,
         idle_timeout_s: float = 600.0,
         hook: Callable[[Event], None] | None = None,
+        drop_stale: bool = False,
+        max_sources: int = MAX_SOURCES,
     ) -> None:
         self.policy = policy
+        self.drop_stale = drop_stale
+        self.max_sources = max_sources
         self.hook = hook
         self.clock = clock
         self.snapshot_ttl_s = snapshot_ttl_s
@@ -204,12 +219,43 @@ class Engine:
 
     # -- events in -----------------------------------------------------------------------------
 
-    def apply(self, batch: EventBatch) -> None:
+    def check_seq(self, batch: EventBatch) -> bool:
+        """Count the batch's sequence number against its source's last: a gap, a duplicate, a
+        regression or a restart (back to 0 or 1), each counted apart. False when the batch is
+        a duplicate or a regression and ``drop_stale`` is set: it is not to be applied. The
+        per-source table keeps at most ``max_sources`` sources, the least recently heard
+        forgotten first (counted)."""
+        state, c = self.state, self.state.counters
+        table, source, seq = state.last_seq, batch.source, batch.seq
+        last = table.pop(source, None)
+        fresh = True
+        if last is not None and seq != last + 1:
+            if seq > last:
+                c.seq_gaps += 1
+            elif 0 <= seq <= 1 and seq < last:
+                c.seq_restarts += 1
+            elif seq == last:
+                c.seq_duplicates += 1
+                fresh = False
+            else:
+                c.seq_regressions += 1
+                fresh = False
+        if not fresh and self.drop_stale:
+            assert last is not None
+            table[source] = last
+            c.stale_batches_dropped += 1
+            return False
+        table[source] = seq
+        if len(table) > self.max_sources:
+            del table[next(iter(table))]  # the least recently heard source
+            c.sources_forgotten += 1
+        return True
+
+    def apply(self, batch: EventBatch) -> bool:
+        """Apply a batch; False when it was not applied (a stale batch, ``drop_stale``)."""
         state = self.state
-        last = state.last_seq.get(batch.source)
-        if last is not None and batch.seq != last + 1:
-            state.counters.seq_gaps += 1
-        state.last_seq[batch.source] = batch.seq
+        if not self.check_seq(batch):
+            return False
         state.counters.batches += 1
         # apply_event per event, inlined (one clock read per batch: it arrived at once)
         events = batch.events
@@ -221,6 +267,7 @@ class Engine:
             if hook is not None:
                 hook(event)
         state.counters.events += len(events)
+        return True
 
     def apply_event(self, event: Event) -> None:
         self._handlers[type(event)](self.state, event, self.clock())

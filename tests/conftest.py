@@ -253,9 +253,9 @@ class RecordingEngine(Engine):
         )
         self.batches: list[EventBatch] = []
 
-    def apply(self, batch: EventBatch) -> None:
+    def apply(self, batch: EventBatch) -> bool:
         self.batches.append(batch)
-        super().apply(batch)
+        return super().apply(batch)
 
 
 @dataclass

@@ -12,7 +12,9 @@ import policyd.daemon.ingest
 import policyd.policies.referee
 import policyd.policies.stepgraph
 import policyd.policies.virtual
+import policyd.ratelog
 import policyd.types
+import policyd.validate
 import policyd.workload
 
 
@@ -24,7 +26,9 @@ import policyd.workload
         policyd.policies.referee,
         policyd.policies.stepgraph,
         policyd.policies.virtual,
+        policyd.ratelog,
         policyd.types,
+        policyd.validate,
         policyd.workload,
     ],
     ids=lambda module: module.__name__,

@@ -180,6 +180,8 @@ class Service:
             clock=clock,
             snapshot_ttl_s=settings.snapshot_ttl_s,
             idle_timeout_s=settings.idle_timeout_s,
+            drop_stale=True,
+            max_sources=settings.max_sources,
         )
         self.predictions = self._restored_predictions or PredictionLog(wall_clock)
         self.predictions.wall_clock = wall_clock
@@ -469,15 +471,20 @@ class Service:
         return self.queue.depth > self.queue.shed_above // 2
 
     def _apply_items(self, items: Sequence[Received]) -> None:
+        validator = self.queue.validator
         for item in items:
             with self.lock:  # per batch: HTTP decisions wait at most one batch
-                self.engine.apply(item.batch)
-                self.counts["events"] += item.events
-                self.counts["block_events"] += item.block_events
+                # the checks that need the Engine's state (ingest did the stateless ones)
+                batch = validator.check_hits(item.batch, self.engine.state)
+                applied = self.engine.apply(batch)  # False: a duplicate or regressed seq
+                if applied:
+                    dropped = len(item.batch.events) - len(batch.events)
+                    self.counts["events"] += item.events - dropped
+                    self.counts["block_events"] += item.block_events
             if self.lock.contended:  # a decision or a snapshot waits: let it in first
                 time.sleep(YIELD_S)
-            if item.batch.events and not item.recorded:
-                self.history.record_batch(item.batch, received_ts=item.received_ts)
+            if applied and batch.events and not item.recorded:
+                self.history.record_batch(batch, received_ts=item.received_ts)
 
     def _observe(self, event: Event) -> None:
         """Bookkeeping after the Engine and the policy saw ``event`` (under the lock)."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any, Final
 
 from policyd.daemon.ingest import INGEST_MAX_FRAME_BYTES
 from policyd.policies import POLICIES
+from policyd.ratelog import QUOTE_CHARS, quote
 from policyd.sim.profiles import PROFILES
 from policyd.wire import (
     DEFAULT_EVENTS_ENDPOINT,
@@ -42,28 +42,6 @@ POSITIVE_SECONDS: Final = (
     "history_flush_interval_s",
     "history_retention_s",
 )
-QUOTE_CHARS: Final = 200  # at most this much of a bad value is quoted back in an error
-
-
-def quote(value: object, limit: int = QUOTE_CHARS) -> str:
-    """``repr(value)`` cut to about ``limit`` characters, safe on values of any size or depth (a
-    10 MB string, a 2,000-deep list): error messages quote a bad value, never echo it whole.
-
-    >>> quote("x" * 1000)[:12], len(quote("x" * 1000)) < 260
-    ("'xxxxxxxxxxx", True)
-    >>> quote([[[[[1]]]]])
-    '[[[[[...]]]]]'
-    """
-    short = reprlib.Repr()
-    short.maxlevel, short.maxstring, short.maxother, short.maxlong = 4, limit, limit, limit
-    short.maxlist = short.maxtuple = short.maxdict = short.maxset = 8
-    try:
-        text = short.repr(value)
-    except (RecursionError, ValueError):  # pathological nesting; ints past the digit limit
-        text = f"<{type(value).__name__}>"
-    if len(text) > limit:
-        text = f"{text[:limit]}... ({len(text)} characters)"
-    return text
 
 
 def _help(text: str, **extra: Any) -> Any:
@@ -143,6 +121,13 @@ class DaemonSettings:
     max_frame_bytes: int = field(
         default=INGEST_MAX_FRAME_BYTES,
         metadata={"help": "Event frames larger than this are rejected as malformed."},
+    )
+    max_sources: int = field(
+        default=4096,
+        metadata={
+            "help": "Event sources whose last sequence number is kept (least recently heard "
+            "forgotten first, counted), so a flood of source names cannot grow the table."
+        },
     )
     tick_interval_s: float = field(
         default=1.0, metadata={"help": "Seconds between idle-workflow checks (engine.tick)."}
