@@ -14,6 +14,8 @@ from pathlib import Path
 from policyd.daemon.server import serve
 from policyd.daemon.settings import DaemonSettings, online_policies
 from policyd.demo import demo_main
+from policyd.flood_bench import add_parser as add_flood_parser
+from policyd.flood_bench import bench_flood_main
 from policyd.ingest_bench import bench_main
 from policyd.ingest_cost import stages_main
 from policyd.workloads import WORKLOADS
@@ -118,6 +120,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     bench.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     bench.add_argument("--plot", metavar="PATH", help="also plot RSS over the run (PNG)")
+    add_flood_parser(sub)
 
 
 def _serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -156,4 +159,5 @@ COMMANDS: dict[str, Handler] = {
     "serve": _serve,
     "demo": _demo,
     "bench-ingest": _bench_ingest,
+    "bench-flood": bench_flood_main,
 }

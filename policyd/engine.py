@@ -16,7 +16,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import count, repeat
+from itertools import count, islice, repeat
 from typing import TYPE_CHECKING
 
 from policyd.types import (
@@ -68,6 +68,7 @@ class RequestState:
     started_ts: float
     hints: dict[str, object]
     hit: PrefixHit | None = None
+    started_s: float = 0.0  # the Engine's clock when it started (request timeout)
 
 
 @dataclass(slots=True)
@@ -81,6 +82,8 @@ class Counters:
     stale_batches_dropped: int = 0  # duplicates and regressions not applied (drop_stale)
     sources_forgotten: int = 0  # sources evicted from the bounded per-source table
     requests_expired: int = 0  # requests dropped after request_timeout_s without finishing
+    requests_evicted: int = 0  # running requests past max_requests, oldest first, finished
+    workflows_evicted: int = 0  # active workflows past max_workflows, least recent, finished
     unknown_requests: int = 0
     workflows_started: int = 0
     workflows_finished: int = 0
@@ -184,6 +187,12 @@ class Engine:
     source's are counted and not applied (the daemon); otherwise counted and applied.
     ``max_sources``: sources whose last sequence number is kept (least recently heard first
     out), so a flood of source names cannot grow the table.
+    ``request_timeout_s``: a request running this long is finished by ``tick`` (it never
+    finished: a lost RequestFinished, a crashed sender, a flood), whatever else runs, so its
+    workflow can go idle. ``max_requests`` / ``max_workflows``: past this many running requests
+    / active workflows, the oldest request / least recently seen workflow is finished at once
+    (counted), so that the state a policy walks per snapshot and per decision stays bounded
+    under a flood. None: no bound (the simulator's default).
     """
 
     def __init__(
@@ -196,10 +205,16 @@ class Engine:
         hook: Callable[[Event], None] | None = None,
         drop_stale: bool = False,
         max_sources: int = MAX_SOURCES,
+        request_timeout_s: float | None = None,
+        max_requests: int | None = None,
+        max_workflows: int | None = None,
     ) -> None:
         self.policy = policy
         self.drop_stale = drop_stale
         self.max_sources = max_sources
+        self.request_timeout_s = request_timeout_s
+        self.max_requests = max_requests
+        self.max_workflows = max_workflows
         self.hook = hook
         self.clock = clock
         self.snapshot_ttl_s = snapshot_ttl_s
@@ -267,7 +282,36 @@ class Engine:
             if hook is not None:
                 hook(event)
         state.counters.events += len(events)
+        if self.max_requests is not None and len(state.requests) > self.max_requests:
+            self._evict_requests(len(state.requests) - self.max_requests)
+        if self.max_workflows is not None and len(state.workflows) > self.max_workflows:
+            self._evict_workflows()
         return True
+
+    def _finish_requests(self, requests: Sequence[RequestState]) -> None:
+        for req in requests:
+            self.apply_event(RequestFinished(ts=req.started_ts, request_id=req.request_id))
+
+    def _evict_requests(self, excess: int) -> None:
+        oldest = list(islice(self.state.requests.values(), excess))
+        self.state.counters.requests_evicted += len(oldest)
+        self._finish_requests(oldest)
+
+    def _evict_workflows(self) -> None:
+        """Finish the least recently seen active workflows past ``max_workflows`` (only
+        called when the table holds more than that, finished ones included)."""
+        assert self.max_workflows is not None
+        active = [w for w in self.state.workflows.values() if not w.done]
+        excess = len(active) - self.max_workflows
+        if excess <= 0:
+            return
+        active.sort(key=lambda w: w.last_seen_s)
+        victims = {w.workflow_id for w in active[:excess]}
+        self._finish_requests([r for r in self.state.requests.values() if r.workflow_id in victims])
+        now = self.clock()
+        self.state.counters.workflows_evicted += len(victims)
+        for wf in active[:excess]:
+            self.apply_event(WorkflowFinished(ts=now, workflow_id=wf.workflow_id, reason="idle"))
 
     def apply_event(self, event: Event) -> None:
         self._handlers[type(event)](self.state, event, self.clock())
@@ -277,8 +321,18 @@ class Engine:
             self.hook(event)
 
     def tick(self) -> list[WorkflowFinished]:
-        """Infer finished workflows after ``idle_timeout_s`` without a running request."""
+        """Finish requests running past ``request_timeout_s``; infer finished workflows after
+        ``idle_timeout_s`` without a running request."""
         now = self.clock()
+        timeout = self.request_timeout_s
+        if timeout is not None:
+            expired = []
+            for req in self.state.requests.values():  # in start order: the oldest first
+                if now - req.started_s < timeout:
+                    break
+                expired.append(req)
+            self.state.counters.requests_expired += len(expired)
+            self._finish_requests(expired)
         inferred = [
             WorkflowFinished(ts=now, workflow_id=w.workflow_id, reason="idle")
             for w in self.state.workflows.values()
@@ -342,9 +396,11 @@ def _on_request_started(state: EngineState, ev: Event, now: float) -> None:
     state.touch(blocks)
     wf.agent_blocks[ev.agent] = blocks
     state.learn_agent_prefix(ev.agent, ev.workflow_id, blocks)
+    state.requests.pop(ev.request_id, None)  # a restarted id goes to the end (oldest first)
     state.requests[ev.request_id] = RequestState(
-        ev.request_id, ev.workflow_id, ev.agent, blocks, ev.prompt_tokens, ev.ts, dict(ev.hints)
-    )
+        ev.request_id, ev.workflow_id, ev.agent, blocks, ev.prompt_tokens, ev.ts, dict(ev.hints),
+        started_s=now,
+    )  # fmt: skip
 
 
 def _on_prefix_hit(state: EngineState, ev: Event, now: float) -> None:

@@ -43,7 +43,9 @@ class _StatsCollector(Collector):
             "seq_regressions": "Batches behind their source's last sequence number (dropped).",
             "seq_restarts": "Sources whose sequence numbers started over at 0 or 1.",
             "sources_forgotten": "Sources dropped from the bounded per-source sequence table.",
-            "requests_expired": "Requests dropped after request_timeout_s without finishing.",
+            "requests_expired": "Requests finished by the daemon after request_timeout_s.",
+            "requests_evicted": "Running requests past max_running_requests, finished.",
+            "workflows_evicted": "Active workflows past max_active_workflows, finished.",
             "oversize_frames": "Event frames over max_frame_bytes (counted in malformed_frames).",
             "connections_closed": "Sender connections closed (by the sender, or by ZeroMQ for a "
             "frame over its transport cap).",

@@ -182,6 +182,9 @@ class Service:
             idle_timeout_s=settings.idle_timeout_s,
             drop_stale=True,
             max_sources=settings.max_sources,
+            request_timeout_s=settings.request_timeout_s,
+            max_requests=settings.max_running_requests,
+            max_workflows=settings.max_active_workflows,
         )
         self.predictions = self._restored_predictions or PredictionLog(wall_clock)
         self.predictions.wall_clock = wall_clock

@@ -36,6 +36,7 @@ POSITIVE_SECONDS: Final = (
     "checkpoint_interval_s",
     "tick_interval_s",
     "idle_timeout_s",
+    "request_timeout_s",
     "snapshot_ttl_s",
     "stats_interval_s",
     "sizing_interval_s",
@@ -129,6 +130,28 @@ class DaemonSettings:
             "forgotten first, counted), so a flood of source names cannot grow the table."
         },
     )
+    request_timeout_s: float = field(
+        default=900.0,
+        metadata={
+            "help": "A request running this long without a RequestFinished is finished by the "
+            "daemon (counted in requests_expired), even while others run."
+        },
+    )
+    max_running_requests: int = field(
+        default=4096,
+        metadata={
+            "help": "Running requests the Engine tracks; past this the oldest is finished at "
+            "once (requests_evicted), so a flood of unfinished requests stays bounded."
+        },
+    )
+    max_active_workflows: int = field(
+        default=512,
+        metadata={
+            "help": "Active workflows the Engine tracks; past this the least recently seen is "
+            "finished at once (workflows_evicted): what a snapshot and a decision walk stays "
+            "bounded."
+        },
+    )
     tick_interval_s: float = field(
         default=1.0, metadata={"help": "Seconds between idle-workflow checks (engine.tick)."}
     )
@@ -215,6 +238,9 @@ class DaemonSettings:
             value = getattr(self, name)
             if value is not None and not 0 < value <= MAX_SECONDS:
                 raise ValueError(f"{name} must be in (0, {MAX_SECONDS:g}] s, got {quote(value)}")
+        for name in ("max_sources", "max_running_requests", "max_active_workflows"):
+            if not 1 <= getattr(self, name) <= 10_000_000:
+                raise ValueError(f"{name} must be in [1, 10000000], got {getattr(self, name)}")
         if self.heap_trim_interval_s < 0:
             raise ValueError("heap_trim_interval_s must be >= 0 (0 turns it off)")
         if self.shed_above_frames >= self.ingest_queue_frames:

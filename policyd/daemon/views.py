@@ -60,6 +60,8 @@ def stats(service: Service) -> dict[str, Any]:
             "sources_tracked": len(service.engine.state.last_seq),
             "sources_forgotten": ec.sources_forgotten,
             "requests_expired": ec.requests_expired,
+            "requests_evicted": ec.requests_evicted,
+            "workflows_evicted": ec.workflows_evicted,
             "workflows_finished": ec.workflows_finished,
             "unknown_requests": ec.unknown_requests,
         }
