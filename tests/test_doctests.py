@@ -9,6 +9,7 @@ import pytest
 
 import policyd.bench
 import policyd.daemon.ingest
+import policyd.history.safe_sql
 import policyd.policies.referee
 import policyd.policies.stepgraph
 import policyd.policies.virtual
@@ -23,6 +24,7 @@ import policyd.workload
     [
         policyd.bench,
         policyd.daemon.ingest,
+        policyd.history.safe_sql,
         policyd.policies.referee,
         policyd.policies.stepgraph,
         policyd.policies.virtual,

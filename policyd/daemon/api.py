@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -23,9 +24,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from policyd.daemon import views
 from policyd.daemon.service import Service
-from policyd.history import SqlRefused
+from policyd.history import HistoryError, SqlRefused
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
 MAX_SQL_ROWS = 10_000
 MAX_SETTINGS_BODY_BYTES = 64 * 1024  # a settings change is a few keys
@@ -202,12 +204,17 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
     async def settings_history(limit: int = Query(100, ge=1, le=1000)) -> Any:
         return _json_safe({"changes": await call(views.settings_history, service, limit)})
 
-    @app.post("/api/sql")
+    sql_guard = [] if service.settings.sql_without_token else [Depends(admin)]
+
+    @app.post("/api/sql", dependencies=sql_guard)
     async def sql(body: SqlBody) -> Any:
         try:
             result = await call(views.sql, service, body.sql, body.max_rows)
         except (SqlRefused, ValueError) as exc:
             raise ApiError(400, str(exc)) from None
+        except HistoryError:  # its message names the file: not for the API
+            log.warning("POST /api/sql: the history snapshot is not readable", exc_info=True)
+            raise ApiError(503, "the history snapshot is not readable now; retry") from None
         return _json_safe(result)
 
     @app.post("/api/checkpoint", dependencies=[Depends(admin)])

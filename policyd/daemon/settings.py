@@ -75,8 +75,16 @@ class DaemonSettings:
     token: str | None = field(
         default=None,
         metadata={
-            "help": "Bearer token required on admin routes (settings writes, checkpoint).",
+            "help": "Bearer token required on admin routes (settings writes, checkpoint) and "
+            "on /api/sql.",
             "env": "POLICYD_API_TOKEN",
+        },
+    )
+    sql_without_token: bool = field(
+        default=False,
+        metadata={
+            "help": "Let POST /api/sql answer without the bearer token when a token is set "
+            "(by default it needs it, as the admin routes do)."
         },
     )
     policy: str = field(default="pbkv", metadata={"help": "Policy at start (a tunable later)."})
@@ -272,6 +280,10 @@ class DaemonSettings:
 
 def _parse(kind: object, raw: str) -> object:
     text = str(kind)
+    if text == "bool":
+        if raw.strip().lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
+            raise ValueError("expected true/false (1/0, yes/no, on/off)")
+        return raw.strip().lower() in ("1", "true", "yes", "on")
     if "Path" in text:
         return Path(raw)
     if text.startswith("int"):
