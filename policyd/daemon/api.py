@@ -95,6 +95,11 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
             parts.append(f"{where or 'body'}: {err.get('msg')}")
         return JSONResponse({"error": "; ".join(parts)}, status_code=422)
 
+    @app.exception_handler(HistoryError)
+    async def _history(request: Request, exc: HistoryError) -> JSONResponse:
+        # the history process is down or its link is: say so at once (never hang)
+        return JSONResponse({"error": f"the history is not available: {exc}"}, status_code=503)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)

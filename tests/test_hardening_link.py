@@ -1,0 +1,107 @@
+"""Issue #32, point 5: the history link. Its sockets are IPC sockets in a private 0700
+directory (no TCP port another local user could reach), every message carries the run's secret,
+a malformed or forged message is counted and dropped on either side, and a dead link makes
+/readyz fail, calls fail at once instead of hanging, and SIGTERM end the daemon promptly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import zmq
+
+from policyd.daemon.server import READY_PREFIX
+from policyd.history import HistoryConfig, HistoryError
+from policyd.history.process import HistoryProcess
+from tests.test_daemon import wait_for
+
+
+@pytest.fixture
+def history(tmp_path: Path) -> Iterator[HistoryProcess]:
+    h = HistoryProcess(HistoryConfig(db_path=tmp_path / "h.duckdb", snapshot_interval_s=None))
+    h.start()
+    yield h
+    h.close()
+
+
+def test_the_link_is_ipc_in_a_private_directory(history: HistoryProcess) -> None:
+    link = history.link_dir
+    assert link is not None
+    mode = os.stat(link).st_mode
+    assert stat.S_IMODE(mode) == 0o700 and os.stat(link).st_uid == os.getuid()
+    assert sorted(os.listdir(link)) == ["inbox", "outbox"]
+    history.close()
+    assert not os.path.exists(link)  # removed at close
+
+
+def test_forged_messages_are_counted_and_dropped_on_both_sides(history: HistoryProcess) -> None:
+    link = history.link_dir
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    to_daemon = ctx.socket(zmq.PUSH)
+    to_daemon.connect(f"ipc://{link}/outbox")
+    for forged in ([b"xy"], [b"stats", b"\x80"], [b"0" * 32, b"reply", b"\x93\x01\xc3\xc0"]):
+        to_daemon.send_multipart(forged)
+    assert wait_for(lambda: history.stats()["link_malformed_received"] == 3)
+    # into the child: only the daemon's own socket reaches it (the child connects out); a
+    # message on it without the run's secret (or otherwise malformed) is counted and dropped
+    out = history._out
+    assert out is not None
+    with history._send_lock:
+        out.send_multipart([b"zz"])
+        out.send_multipart([b"0" * 32, b"c", b"\x93\x01\xa5close\x90"])  # a forged close
+    assert wait_for(lambda: history.stats().get("link_malformed") == 2)
+    # the link goes on: calls answer, the writer is alive
+    history.record("decisions", [{"ts": 1.0, "kind": "evict", "n_blocks": 1}])
+    history.flush()
+    assert history.query_live("SELECT count(*) FROM decisions") == [(1,)]
+    assert history.stats()["writer_alive"] is True
+    to_daemon.close(0)
+    ctx.term()
+
+
+def test_a_dead_link_fails_readiness_and_calls_at_once(history: HistoryProcess) -> None:
+    history._stopping.set()  # the listener thread ends (as it did on a forged message)
+    assert history._listener is not None
+    history._listener.join(timeout=10)
+    stats = history.stats()
+    assert stats["link_alive"] is False and stats["writer_alive"] is False
+    with pytest.raises(HistoryError, match="link"):
+        history.publish_snapshot()  # before: waited for a reply that could not come (600 s)
+
+
+def test_sigterm_ends_a_daemon_whose_history_link_is_dead(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable, "-m", "policyd.cli", "serve", "--db", str(tmp_path / "h.duckdb"),
+        "--events", "tcp://127.0.0.1:*", "--snapshots", "tcp://127.0.0.1:*",
+        "--http-port", "0", "--log-level", "WARNING",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        while line and not line.startswith(READY_PREFIX):
+            line = proc.stdout.readline()
+        ready = json.loads(line[len(READY_PREFIX) :])
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        os.kill(int(children[0]), signal.SIGKILL)  # the history process: the link is dead
+        with httpx.Client(base_url=ready["http_url"], timeout=30) as http:
+            assert wait_for(lambda: http.get("/readyz").status_code == 503)
+            assert http.post("/api/history/publish").status_code == 503  # at once, no hang
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        print(f"SIGTERM with a dead history link: exited in {time.monotonic() - started:.1f} s")
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
