@@ -9,6 +9,7 @@ import pytest
 
 import policyd.bench
 import policyd.daemon.ingest
+import policyd.daemon.settings
 import policyd.history.safe_sql
 import policyd.policies.referee
 import policyd.policies.stepgraph
@@ -24,6 +25,7 @@ import policyd.workload
     [
         policyd.bench,
         policyd.daemon.ingest,
+        policyd.daemon.settings,
         policyd.history.safe_sql,
         policyd.policies.referee,
         policyd.policies.stepgraph,

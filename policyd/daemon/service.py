@@ -47,6 +47,7 @@ from policyd.daemon.sizing import (
 )
 from policyd.engine import Engine
 from policyd.history import History, HistoryConfig
+from policyd.history.files import remove_stale_temp_files
 from policyd.history.process import HistoryProcess
 from policyd.mrc import GiB
 from policyd.policies import POLICIES, Policy, make_policy
@@ -217,6 +218,11 @@ class Service:
             flush_interval_s=settings.history_flush_interval_s,
             cpu_budget=settings.history_cpu_budget or None,
         )
+        # what a crash while publishing a snapshot or writing a checkpoint left behind
+        for stale in remove_stale_temp_files(
+            [history_config.resolved_snapshot_path, settings.checkpoint_path]
+        ):
+            log.warning("removed a stale temporary file left by a crash: %s", stale)
         self.history: History | HistoryProcess
         if settings.history_writer == "process":
             self.history = HistoryProcess(history_config)

@@ -9,6 +9,7 @@ of it is applied. Constructors elsewhere receive narrow values, never these obje
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import os
 from collections.abc import Mapping
@@ -78,6 +79,21 @@ class DaemonSettings:
             "help": "Bearer token required on admin routes (settings writes, checkpoint) and "
             "on /api/sql.",
             "env": "POLICYD_API_TOKEN",
+        },
+    )
+    token_file: Path | None = field(
+        default=None,
+        metadata={
+            "help": "File holding the bearer token (read at start, surrounding whitespace "
+            "dropped): unlike --token, the secret is not on the command line, where ps shows it."
+        },
+    )
+    allow_open_http: bool = field(
+        default=False,
+        metadata={
+            "help": "Serve the HTTP API on a non-loopback address without a token. Without "
+            "this, `policyd serve` refuses to: anyone who reaches the address could change "
+            "settings and read the history."
         },
     )
     sql_without_token: bool = field(
@@ -227,6 +243,9 @@ class DaemonSettings:
                 except ValueError as exc:
                     raise ValueError(f"{env}={raw!r}: {exc}") from None
         values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        token_file = values.get("token_file")
+        if token_file is not None and not values.get("token"):
+            values["token"] = _read_token(Path(str(token_file)))
         settings = cls(**values)  # type: ignore[arg-type]
         settings.check()
         return settings
@@ -255,6 +274,15 @@ class DaemonSettings:
             raise ValueError("shed_above_frames must be below ingest_queue_frames")
         if self.history_cpu_budget < 0:
             raise ValueError("history_cpu_budget must be >= 0 (0: no budget)")
+        if self.token is not None and not self.token.strip():
+            raise ValueError("token is empty")
+        if not self.token and not self.allow_open_http and not is_loopback(self.http_host):
+            raise ValueError(
+                f"refusing to serve the HTTP API on {quote(self.http_host, 80)} without a token: "
+                "anyone who reaches it could change settings and read the history. Set one "
+                "(POLICYD_API_TOKEN, or --token-file / POLICYD_TOKEN_FILE), bind loopback, or "
+                "say --allow-open-http (POLICYD_ALLOW_OPEN_HTTP=true)"
+            )
         if self.history_writer not in HISTORY_WRITERS:
             raise ValueError(
                 f"unknown history_writer {self.history_writer!r}; valid: "
@@ -276,6 +304,31 @@ class DaemonSettings:
             (f.name, f.metadata.get("env", ENV_PREFIX + f.name.upper()), f.metadata["help"])
             for f in fields(cls)
         ]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the API on this machine: a loopback address or
+    ``localhost`` (``0.0.0.0``, ``::`` and other names are not).
+
+    >>> [is_loopback(h) for h in ("127.0.0.1", "::1", "localhost", "0.0.0.0", "10.0.0.2", "")]
+    [True, True, True, False, False, False]
+    """
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _read_token(path: Path) -> str:
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the token file {path}: {exc.strerror}") from None
+    if not token:
+        raise ValueError(f"the token file {path} is empty")
+    return token
 
 
 def _parse(kind: object, raw: str) -> object:
