@@ -19,6 +19,8 @@ from policyd.flood_bench import add_parser as add_flood_parser
 from policyd.flood_bench import bench_flood_main
 from policyd.ingest_bench import bench_main
 from policyd.ingest_cost import stages_main
+from policyd.soak_bench import add_parser as add_soak_parser
+from policyd.soak_bench import bench_soak_main
 from policyd.workloads import WORKLOADS
 
 Handler = Callable[[argparse.Namespace, Sequence[str]], int]
@@ -139,6 +141,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     bench.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     bench.add_argument("--plot", metavar="PATH", help="also plot RSS over the run (PNG)")
     add_flood_parser(sub)
+    add_soak_parser(sub)
 
 
 def _serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -190,4 +193,5 @@ COMMANDS: dict[str, Handler] = {
     "demo": _demo,
     "bench-ingest": _bench_ingest,
     "bench-flood": bench_flood_main,
+    "bench-soak": bench_soak_main,
 }
