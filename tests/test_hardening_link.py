@@ -105,3 +105,25 @@ def test_sigterm_ends_a_daemon_whose_history_link_is_dead(tmp_path: Path) -> Non
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another local user")
+def test_another_local_user_cannot_connect_to_the_link(history: HistoryProcess) -> None:
+    """As ``nobody`` (uid 65534), connecting to either IPC socket is refused by the directory's
+    0700 mode (before: any local process could connect to the loopback TCP ports)."""
+    link = history.link_dir
+    script = (
+        "import os, socket, sys\n"
+        "os.setgid(65534); os.setuid(65534)\n"
+        "for name in ('inbox', 'outbox'):\n"
+        "    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        "    try:\n"
+        f"        s.connect({link!r} + '/' + name)\n"
+        "        print('connected', name)\n"
+        "    except PermissionError:\n"
+        "        print('refused', name)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.split() == ["refused", "inbox", "refused", "outbox"], out.stdout
