@@ -105,6 +105,7 @@ class EngineState:
         self.agent_prefix: dict[str, tuple[int, ...]] = {}
         self._agent_prefix_source: dict[str, str] = {}
         self.counters = Counters()
+        self.active_count = 0  # workflows not done (kept as they change: bounds are O(1))
         self.last_seq: dict[str, int] = {}
         self._ticks = count(1)
 
@@ -284,7 +285,7 @@ class Engine:
         state.counters.events += len(events)
         if self.max_requests is not None and len(state.requests) > self.max_requests:
             self._evict_requests(len(state.requests) - self.max_requests)
-        if self.max_workflows is not None and len(state.workflows) > self.max_workflows:
+        if self.max_workflows is not None and state.active_count > self.max_workflows:
             self._evict_workflows()
         return True
 
@@ -298,8 +299,8 @@ class Engine:
         self._finish_requests(oldest)
 
     def _evict_workflows(self) -> None:
-        """Finish the least recently seen active workflows past ``max_workflows`` (only
-        called when the table holds more than that, finished ones included)."""
+        """Finish the least recently seen active workflows past ``max_workflows`` (called
+        only when more are active)."""
         assert self.max_workflows is not None
         active = [w for w in self.state.workflows.values() if not w.done]
         excess = len(active) - self.max_workflows
@@ -374,10 +375,12 @@ def _on_request_started(state: EngineState, ev: Event, now: float) -> None:
         wf = WorkflowState(ev.workflow_id, ev.workflow_type, ev.ts, ev.ts)
         state.workflows[ev.workflow_id] = wf
         state.counters.workflows_started += 1
+        state.active_count += 1
     elif wf.done:  # a workflow id reused after it finished: a new life
         wf.done = False
         wf.agents.clear()
         state.counters.workflows_started += 1
+        state.active_count += 1
     wf.agents.append(ev.agent)
     wf.last_ts = ev.ts
     wf.last_seen_s = now
@@ -463,6 +466,7 @@ def _on_workflow_finished(state: EngineState, ev: Event, now: float) -> None:
     if wf is None or wf.done:
         return
     wf.done = True
+    state.active_count -= 1
     wf.last_ts = ev.ts
     state.counters.workflows_finished += 1
     resident = state.resident

@@ -302,3 +302,4 @@ def check_ownership(state: EngineState) -> None:
         assert holders, block
         for wid in holders:
             assert block in state.workflows[wid].blocks, (wid, block)
+    assert state.active_count == len(state.active_workflows())  # kept incrementally

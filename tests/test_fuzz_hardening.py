@@ -119,6 +119,7 @@ def check_invariants(service: Service) -> None:
     assert stats["sources_tracked"] <= MAX_SOURCES
     state = service.engine.state
     assert all(n > 0 for n in state.running_refs.values())
+    assert state.active_count == len(state.active_workflows())
     text = service.metrics.render().decode()
     for line in text.splitlines():
         if line.startswith("policyd_") and "_total" in line.split(" ")[0]:
