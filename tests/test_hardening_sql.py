@@ -96,3 +96,9 @@ def test_with_a_token_sql_needs_it_unless_opened(tmp_path: Path) -> None:
                 assert ok.status_code == 200
         finally:
             running.stop()
+
+
+def test_a_long_bad_query_is_not_echoed_whole(daemon: RunningDaemon) -> None:
+    with httpx.Client(base_url=daemon.http_url, timeout=60) as http:
+        r = http.post("/api/sql", json={"sql": "select * from " + "x" * 90_000})
+    assert r.status_code == 400 and len(r.json()["error"]) < 600

@@ -64,6 +64,11 @@ class SqlBody(BaseModel):
     format: Literal["json"] = "json"
 
 
+def _cut(message: str, limit: int = 400) -> str:
+    """An error message cut to ``limit`` characters (it may quote a long bad value)."""
+    return message if len(message) <= limit else f"{message[:limit]}... ({len(message)} chars)"
+
+
 def _json_safe(value: object) -> object:
     """Values JSON can carry: non-finite floats become null, unknown types their str()."""
     if isinstance(value, float):
@@ -98,7 +103,9 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
     @app.exception_handler(HistoryError)
     async def _history(request: Request, exc: HistoryError) -> JSONResponse:
         # the history process is down or its link is: say so at once (never hang)
-        return JSONResponse({"error": f"the history is not available: {exc}"}, status_code=503)
+        return JSONResponse(
+            {"error": _cut(f"the history is not available: {exc}")}, status_code=503
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -215,8 +222,8 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
     async def sql(body: SqlBody) -> Any:
         try:
             result = await call(views.sql, service, body.sql, body.max_rows)
-        except (SqlRefused, ValueError) as exc:
-            raise ApiError(400, str(exc)) from None
+        except (SqlRefused, ValueError) as exc:  # (DuckDB's message may quote the query)
+            raise ApiError(400, _cut(str(exc))) from None
         except HistoryError:  # its message names the file: not for the API
             log.warning("POST /api/sql: the history snapshot is not readable", exc_info=True)
             raise ApiError(503, "the history snapshot is not readable now; retry") from None
