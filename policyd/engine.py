@@ -193,7 +193,8 @@ class Engine:
     workflow can go idle. ``max_requests`` / ``max_workflows``: past this many running requests
     / active workflows, the oldest request / least recently seen workflow is finished at once
     (counted), so that the state a policy walks per snapshot and per decision stays bounded
-    under a flood. None: no bound (the simulator's default).
+    under a flood (workflows of a single call are finished first, so a flood of new workflows
+    pushes out its own, not the established ones). None: no bound (the simulator's default).
     """
 
     def __init__(
@@ -306,7 +307,9 @@ class Engine:
         excess = len(active) - self.max_workflows
         if excess <= 0:
             return
-        active.sort(key=lambda w: w.last_seen_s)
+        # workflows of one call go first (a flood of new workflows evicts its own, not the
+        # established ones), then the least recently seen
+        active.sort(key=lambda w: (len(w.agents) > 1, w.last_seen_s))
         victims = {w.workflow_id for w in active[:excess]}
         self._finish_requests([r for r in self.state.requests.values() if r.workflow_id in victims])
         now = self.clock()

@@ -54,6 +54,21 @@ def test_a_flood_of_unfinished_requests_keeps_the_state_bounded() -> None:
     assert set(state.running_refs) <= {b for r in state.requests.values() for b in r.block_hashes}
 
 
+def test_a_flood_of_new_workflows_does_not_push_out_established_ones() -> None:
+    clock = FakeClock()
+    e = engine(clock, max_workflows=50)
+    for w in range(10):  # established: two calls each, idle now
+        for i in range(2):
+            e.apply_event(started(f"e{w}.{i}", f"est{w}", [w * 100 + i]))
+            e.apply_event(RequestFinished(ts=0.0, request_id=f"e{w}.{i}"))
+    for i, event in enumerate(flood_events(5000)):
+        clock.now = 10.0 + i
+        e.apply(EventBatch("flood", i + 1, (event,)))
+    state = e.state
+    assert all(not state.workflows[f"est{w}"].done for w in range(10))
+    assert state.active_count == 50 and state.counters.workflows_evicted == 5000 - 40
+
+
 def test_the_daemon_expires_unfinished_requests_and_bounds_a_flood(tmp_path: Path) -> None:
     running = start_daemon(
         settings_for(

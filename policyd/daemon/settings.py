@@ -169,11 +169,11 @@ class DaemonSettings:
         },
     )
     max_active_workflows: int = field(
-        default=512,
+        default=256,
         metadata={
-            "help": "Active workflows the Engine tracks; past this the least recently seen is "
-            "finished at once (workflows_evicted): what a snapshot and a decision walk stays "
-            "bounded."
+            "help": "Active workflows the Engine tracks; past this one is finished at once "
+            "(workflows_evicted): of those that made a single call the least recently seen, "
+            "then of the others. What a snapshot and a decision walk stays bounded."
         },
     )
     tick_interval_s: float = field(
