@@ -149,3 +149,17 @@ def test_a_flood_of_bad_frames_writes_a_few_log_lines_and_counts_them_all(
     malformed = [w for w in warnings if "malformed" in w or "rejected" in w]
     assert 1 <= len(malformed) <= 10, warnings
     assert len(err) < 20_000
+
+
+def test_a_stream_of_bad_vllm_kv_batches_logs_a_line_with_a_count(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from policyd.daemon.kv_events import KvEventSubscriber  # noqa: PLC0415
+
+    delivered: list[object] = []
+    sub = KvEventSubscriber("tcp://127.0.0.1:9", delivered.append, clock=lambda: 0.0)
+    with caplog.at_level("WARNING", logger="policyd.daemon.kv_events"):
+        for seq in range(1, 2001):
+            sub.handle([b"kv", seq.to_bytes(8, "big", signed=True), b"\xc1"], None)
+    assert sub.counters["malformed"] == 2000 and not delivered
+    assert 1 <= len(caplog.records) <= 2

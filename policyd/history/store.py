@@ -34,6 +34,7 @@ from policyd.history.revisions import HistoryError, _open_error, migrate
 from policyd.history.sampling import AdaptiveRate
 from policyd.history.schema import ARROW_SCHEMAS, TABLES, check_rows
 from policyd.history.snapshot import copy_database
+from policyd.ratelog import RateLimitedLog, quote
 from policyd.types import EventBatch
 from policyd.validate import Validator
 
@@ -192,6 +193,7 @@ class History:
         self._rows_dropped = 0
         self._rows_rejected = 0
         self._validator = Validator()  # out-of-range events are left out of the rows
+        self._ratelog = RateLimitedLog(log)
         self._rows_written = dict.fromkeys(TABLES, 0)
         self._request_updates_unmatched = 0
         self._last_flush_ts: float | None = None
@@ -483,7 +485,9 @@ class History:
     def _reject(self, n: int, what: str, exc: Exception) -> None:
         self._rows_rejected += n
         self._last_error = f"{what}: {type(exc).__name__}: {exc}"
-        log.warning("history: rejected %d rows (%s)", n, self._last_error)
+        self._ratelog.warning(
+            "rejected", "history: rejected %d rows (%s)", n, quote(self._last_error, 300)
+        )
 
     def _write_pending(self) -> None:
         pending, estimate = self._pending, self._pending_estimate
