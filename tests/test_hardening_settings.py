@@ -130,3 +130,16 @@ def test_invalid_persisted_settings_are_reported_and_defaults_used(tmp_path: Pat
     finally:
         running.stop()
     assert Service(settings).checkpoint_info["rejected_settings"] == {}  # rewritten clean
+
+
+def test_a_long_bad_environment_value_is_quoted_not_echoed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("POLICYD_HTTP_PORT", "9" * 100_000 + "x")
+    with pytest.raises(ValueError, match="POLICYD_HTTP_PORT") as info:
+        DaemonSettings.load()
+    assert len(str(info.value)) < 600
+    monkeypatch.delenv("POLICYD_HTTP_PORT")
+    with pytest.raises(ValueError, match="unknown policy") as info:
+        DaemonSettings.load({"policy": "p" * 100_000})
+    assert len(str(info.value)) < 600

@@ -241,7 +241,7 @@ class DaemonSettings:
                 try:
                     values[f.name] = _parse(f.type, raw)
                 except ValueError as exc:
-                    raise ValueError(f"{env}={raw!r}: {exc}") from None
+                    raise ValueError(f"{env}={quote(raw)}: {exc}") from None
         values.update({k: v for k, v in (overrides or {}).items() if v is not None})
         token_file = values.get("token_file")
         if token_file is not None and not values.get("token"):
@@ -253,10 +253,10 @@ class DaemonSettings:
     def check(self) -> None:
         if self.policy not in online_policies():
             raise ValueError(
-                f"unknown policy {self.policy!r}; valid: {', '.join(online_policies())}"
+                f"unknown policy {quote(self.policy)}; valid: {', '.join(online_policies())}"
             )
         if self.profile not in PROFILES:
-            raise ValueError(f"unknown profile {self.profile!r}; valid: {', '.join(PROFILES)}")
+            raise ValueError(f"unknown profile {quote(self.profile)}; valid: {', '.join(PROFILES)}")
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -285,7 +285,7 @@ class DaemonSettings:
             )
         if self.history_writer not in HISTORY_WRITERS:
             raise ValueError(
-                f"unknown history_writer {self.history_writer!r}; valid: "
+                f"unknown history_writer {quote(self.history_writer)}; valid: "
                 f"{', '.join(HISTORY_WRITERS)}"
             )
 
