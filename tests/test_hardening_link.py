@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -127,3 +129,17 @@ def test_another_local_user_cannot_connect_to_the_link(history: HistoryProcess) 
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.split() == ["refused", "inbox", "refused", "outbox"], out.stdout
+
+
+def test_a_killed_daemons_link_directory_is_removed_by_the_next(tmp_path: Path) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = Path(tempfile.mkdtemp(prefix=f"policyd-link-{gone.pid}-"))
+    alive = Path(tempfile.mkdtemp(prefix=f"policyd-link-{os.getppid()}-"))
+    h = HistoryProcess(HistoryConfig(db_path=tmp_path / "h.duckdb", snapshot_interval_s=None))
+    h.start()
+    try:
+        assert not stale.exists() and alive.exists()
+    finally:
+        h.close()
+        shutil.rmtree(alive, ignore_errors=True)

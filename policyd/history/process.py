@@ -79,6 +79,8 @@ SECRET_BYTES: Final = 32
 # no report from the child for this long: the link is dead (it reports every 0.5 s, and between
 # the statements of a long call such as publishing a large snapshot)
 REPORT_STALE_S: Final = 30.0
+LINK_PREFIX: Final = "policyd-link-"  # then the daemon's pid: a killed daemon's is removed later
+IPC_DIR_MAX_CHARS: Final = 90  # the directory plus "/outbox" within sockaddr_un's 107 bytes
 CLOSE_WAIT_S: Final = 5.0  # a child told to close over a dead link: this long to exit
 
 
@@ -172,7 +174,12 @@ class HistoryProcess:
         out.setsockopt(zmq.SNDTIMEO, int(CALL_SEND_TIMEOUT_S * 1000))
         inbound = self._ctx.socket(zmq.PULL)
         inbound.setsockopt(zmq.LINGER, 0)
-        self._link_dir = tempfile.mkdtemp(prefix="policyd-link-")  # 0700: this user only
+        prefix = f"{LINK_PREFIX}{os.getpid()}-"
+        self._link_dir = tempfile.mkdtemp(prefix=prefix)  # 0700: this user only
+        if len(self._link_dir) > IPC_DIR_MAX_CHARS and os.path.isdir("/tmp"):
+            os.rmdir(self._link_dir)  # a socket path must fit sockaddr_un (~107 bytes)
+            self._link_dir = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+        remove_stale_link_dirs(Path(self._link_dir).parent)
         out.bind(f"ipc://{self._link_dir}/inbox")
         inbound.bind(f"ipc://{self._link_dir}/outbox")
         out_endpoint = out.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -492,6 +499,24 @@ class HistoryProcess:
         for future in pending:
             if not future.done():
                 future.set_exception(error)
+
+
+def remove_stale_link_dirs(parent: Path) -> None:
+    """Remove the link directories of daemons that are gone (killed: nothing removed them)."""
+    try:
+        entries = list(parent.glob(LINK_PREFIX + "*"))
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry.name.removeprefix(LINK_PREFIX).split("-", 1)[0]
+        try:
+            if not pid.isdigit() or int(pid) == os.getpid() or entry.stat().st_uid != os.geteuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def _start_error(error: Any) -> HistoryError:
