@@ -78,6 +78,8 @@ def test_a_dead_link_fails_readiness_and_calls_at_once(history: HistoryProcess) 
     assert stats["link_alive"] is False and stats["writer_alive"] is False
     with pytest.raises(HistoryError, match="link"):
         history.publish_snapshot()  # before: waited for a reply that could not come (600 s)
+    with pytest.raises(HistoryError, match="did not close cleanly"):
+        history.close()  # told to close without a reply; said so, not claimed clean
 
 
 def test_sigterm_ends_a_daemon_whose_history_link_is_dead(tmp_path: Path) -> None:
@@ -143,3 +145,24 @@ def test_a_killed_daemons_link_directory_is_removed_by_the_next(tmp_path: Path) 
     finally:
         h.close()
         shutil.rmtree(alive, ignore_errors=True)
+
+
+def test_a_hung_history_process_fails_readiness_calls_and_is_killed_at_close(
+    tmp_path: Path,
+) -> None:
+    """The child stopped (SIGSTOP: a real hang): no heartbeat, so after ``stale_s`` the link
+    reads dead, calls fail at once, and close() kills it and says rows may be lost."""
+    h = HistoryProcess(
+        HistoryConfig(db_path=tmp_path / "h.duckdb", snapshot_interval_s=None), stale_s=2.0
+    )
+    h.start()
+    assert h.pid is not None
+    os.kill(h.pid, signal.SIGSTOP)
+    try:
+        assert wait_for(lambda: not h.stats()["writer_alive"])
+        with pytest.raises(HistoryError, match="link"):
+            h.flush()
+    finally:
+        with pytest.raises(HistoryError, match="killed"):
+            h.close()
+    assert h._proc is not None and h._proc.poll() is not None

@@ -76,8 +76,8 @@ START_TIMEOUT_S: Final = 120.0  # for the child to import, migrate and open the 
 CALL_SEND_TIMEOUT_S: Final = 10.0  # a call waits this long for room on the socket
 NICE: Final = 10  # the child's scheduling priority, below the daemon's
 SECRET_BYTES: Final = 32
-# no report from the child for this long: the link is dead (it reports every 0.5 s, and between
-# the statements of a long call such as publishing a large snapshot)
+# nothing from the child for this long: the link is dead (its heartbeat thread beats every 0.5 s,
+# through long calls too; a hung or stopped child does not)
 REPORT_STALE_S: Final = 30.0
 LINK_PREFIX: Final = "policyd-link-"  # then the daemon's pid: a killed daemon's is removed later
 IPC_DIR_MAX_CHARS: Final = 90  # the directory plus "/outbox" within sockaddr_un's 107 bytes
@@ -129,8 +129,10 @@ class HistoryProcess:
         *,
         start_timeout_s: float = START_TIMEOUT_S,
         python: str = sys.executable,
+        stale_s: float = REPORT_STALE_S,
     ) -> None:
         self.config = config
+        self.stale_s = stale_s  # nothing from the child for this long: the link is dead
         self.start_timeout_s = start_timeout_s
         self.python = python
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -145,6 +147,7 @@ class HistoryProcess:
         self._calls_lock = threading.Lock()
         self._stats: dict[str, Any] = {}
         self._stats_received_s: float | None = None
+        self._heard_s: float | None = None  # the child's last message of any kind (liveness)
         self._dropped = 0  # rows not handed over: the socket was full or the child gone
         self._frames_dropped = 0  # frames not handed over (their rows are not known)
         self._last_error: str | None = None
@@ -219,17 +222,20 @@ class HistoryProcess:
         if proc is None:
             return
         exit_wait_s = 30.0
+        problem: str | None = None
         try:
             if proc.poll() is None and self.link_alive:
                 self._call("close", (), CLOSE_FLUSH_TIMEOUT_S + 60.0)
             elif proc.poll() is None:  # no reply can come: tell it, give it a little to exit
                 exit_wait_s = CLOSE_WAIT_S
+                problem = "its link was down"
                 with self._send_lock, contextlib.suppress(zmq.Again):
                     if self._out is not None:
                         close = (self._secret, b"c", _encode((0, "close", [])))
                         self._out.send_multipart(close, flags=zmq.NOBLOCK)
         except HistoryError as exc:
             log.warning("closing the history process: %s", exc)
+            problem = str(exc)
         finally:
             try:
                 proc.wait(timeout=exit_wait_s)
@@ -237,10 +243,13 @@ class HistoryProcess:
                 log.warning("the history process did not exit: killing it")
                 proc.kill()
                 proc.wait(timeout=10.0)
+                problem = f"{problem or 'it did not exit'}; killed, rows not yet flushed are lost"
             self._stopping.set()
             if self._listener is not None:
                 self._listener.join(timeout=5.0)
             self._close_sockets()
+        if problem is not None:  # the caller says so (Service.stop: the last word)
+            raise HistoryError(f"the history process did not close cleanly: {problem}")
 
     def _abandon(self, why: str) -> None:
         self._closed = True
@@ -274,8 +283,8 @@ class HistoryProcess:
         listener = self._listener
         if listener is None or not listener.is_alive():
             return False
-        received = self._stats_received_s
-        return received is not None and time.monotonic() - received < REPORT_STALE_S
+        heard = self._heard_s
+        return heard is not None and time.monotonic() - heard < self.stale_s
 
     def __enter__(self) -> HistoryProcess:
         self.start()
@@ -346,8 +355,7 @@ class HistoryProcess:
             raise HistoryError(
                 f"the history process is not running ({self._last_error or 'stopped'})"
             )
-        listener = self._listener
-        if listener is None or not listener.is_alive():  # no reply could come: fail now
+        if not self.link_alive and self._ready.done():  # no reply could come: fail now
             raise HistoryError("the link to the history process is down")
         call_id = next(self._call_ids)
         future: Future[Any] = Future()
@@ -361,10 +369,20 @@ class HistoryProcess:
             raise HistoryError(
                 f"the history process took no call within {CALL_SEND_TIMEOUT_S} s"
             ) from None
+        deadline = time.monotonic() + timeout_s
         try:
-            return future.result(timeout=timeout_s)
-        except TimeoutError:
-            raise HistoryError(f"the history process did not answer within {timeout_s} s") from None
+            while True:  # in slices: a link that dies meanwhile fails the call at once
+                try:
+                    return future.result(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                except TimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise HistoryError(
+                            f"the history process did not answer within {timeout_s} s"
+                        ) from None
+                    if not self.link_alive:
+                        raise HistoryError(
+                            "the link to the history process went down during the call"
+                        ) from None
         finally:
             with self._calls_lock:
                 self._calls.pop(call_id, None)
@@ -449,6 +467,7 @@ class HistoryProcess:
             try:
                 if len(parts) != 3 or not hmac.compare_digest(parts[0], self._secret):
                     raise ValueError(f"not a message of this run's child ({len(parts)} parts)")
+                self._heard_s = time.monotonic()
                 self._received(parts[1], _decode(parts[2]))
             except Exception as exc:  # counted and dropped: the link goes on
                 self.link_malformed_received += 1
@@ -460,6 +479,8 @@ class HistoryProcess:
                 )
 
     def _received(self, kind: bytes, body: Any) -> None:
+        if kind == b"beat":  # the child's heartbeat thread: alive, even inside a long call
+            return
         if kind == b"stats":
             if not isinstance(body, dict):
                 raise ValueError("stats that are not a mapping")
@@ -636,6 +657,25 @@ class _Child:
         self.send(b"reply", (call_id, True, value))
 
 
+def _heartbeat(
+    ctx: zmq.Context[zmq.Socket[bytes]], outbox: str, secret: bytes, stop: threading.Event
+) -> None:
+    """Tell the daemon this process lives, from a thread and socket of its own, so that a long
+    call (publishing a large snapshot) does not read as a dead link; a hung or stopped process
+    stops beating (``REPORT_STALE_S``)."""
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 4)
+    sock.connect(outbox)
+    beat = (secret, b"beat", _encode(None))
+    try:
+        while not stop.wait(STATS_INTERVAL_S):
+            with contextlib.suppress(zmq.Again):
+                sock.send_multipart(beat, zmq.NOBLOCK)
+    finally:
+        sock.close()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m policyd.history.process")
     parser.add_argument("--inbox", required=True)
@@ -669,9 +709,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     outbox.send_multipart((secret, b"ready", _encode((True, None))))
     child = _Child(history, inbox, outbox, secret)
+    beating = threading.Event()
+    heart = threading.Thread(
+        target=_heartbeat, args=(ctx, args.outbox, secret, beating), name="heartbeat", daemon=True
+    )
+    heart.start()
     try:
         child.run(args.parent)
     finally:
+        beating.set()
+        heart.join(timeout=2.0)
         history.close()
         inbox.close()
         outbox.close()
