@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from policyd.daemon.server import serve
 from policyd.daemon.settings import DaemonSettings, online_policies
 from policyd.demo import demo_main
+from policyd.flood_bench import add_parser as add_flood_parser
+from policyd.flood_bench import bench_flood_main
 from policyd.ingest_bench import bench_main
 from policyd.ingest_cost import stages_main
+from policyd.soak_bench import add_parser as add_soak_parser
+from policyd.soak_bench import bench_soak_main
 from policyd.workloads import WORKLOADS
 
 Handler = Callable[[argparse.Namespace, Sequence[str]], int]
@@ -34,7 +39,24 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     serve.add_argument("--http-host", help="HTTP bind address [POLICYD_HTTP_HOST]")
     serve.add_argument("--http-port", type=int, help="HTTP port [POLICYD_HTTP_PORT]")
     serve.add_argument("--policy", choices=online_policies(), help="policy [POLICYD_POLICY]")
-    serve.add_argument("--token", help="bearer token for admin routes [POLICYD_API_TOKEN]")
+    serve.add_argument(
+        "--token-file",
+        type=Path,
+        help="file holding the bearer token for admin routes and SQL [POLICYD_TOKEN_FILE]; "
+        "or set POLICYD_API_TOKEN",
+    )
+    serve.add_argument(
+        "--token",
+        help="the bearer token itself: visible to every local user in ps; prefer --token-file "
+        "or POLICYD_API_TOKEN",
+    )
+    serve.add_argument(
+        "--allow-open-http",
+        action="store_const",
+        const=True,
+        help="serve the HTTP API on a non-loopback address without a token (refused "
+        "otherwise) [POLICYD_ALLOW_OPEN_HTTP]",
+    )
     serve.add_argument("--profile", help="hardware profile (KV bytes/block) [POLICYD_PROFILE]")
     serve.add_argument("--gpu-blocks", type=int, help="GPU KV blocks [POLICYD_GPU_BLOCKS]")
     serve.add_argument("--vllm-events", help="vLLM KV-events endpoint [POLICYD_VLLM_EVENTS]")
@@ -118,6 +140,8 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     bench.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     bench.add_argument("--plot", metavar="PATH", help="also plot RSS over the run (PNG)")
+    add_flood_parser(sub)
+    add_soak_parser(sub)
 
 
 def _serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -133,6 +157,8 @@ def _serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
         "http_port": args.http_port,
         "policy": args.policy,
         "token": args.token,
+        "token_file": args.token_file,
+        "allow_open_http": args.allow_open_http,
         "profile": args.profile,
         "gpu_blocks": args.gpu_blocks,
         "vllm_events": args.vllm_events,
@@ -141,7 +167,17 @@ def _serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
         "checkpoint_dir": args.checkpoint_dir,
         "checkpoint_interval_s": args.checkpoint_interval_s,
     }
-    return serve(DaemonSettings.load(overrides))
+    if args.token:
+        logging.getLogger("policyd").warning(
+            "--token puts the secret on the command line, where ps shows it to every local "
+            "user: prefer --token-file or POLICYD_API_TOKEN"
+        )
+    try:
+        settings = DaemonSettings.load(overrides)
+    except ValueError as exc:
+        print(f"policyd serve: {exc}", file=sys.stderr)
+        return 2
+    return serve(settings)
 
 
 def _demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -156,4 +192,6 @@ COMMANDS: dict[str, Handler] = {
     "serve": _serve,
     "demo": _demo,
     "bench-ingest": _bench_ingest,
+    "bench-flood": bench_flood_main,
+    "bench-soak": bench_soak_main,
 }

@@ -16,7 +16,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import count, repeat
+from itertools import count, islice, repeat
 from typing import TYPE_CHECKING
 
 from policyd.types import (
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from policyd.policies.base import Policy
 
 Clock = Callable[[], float]
+MAX_SOURCES = 4096  # sources whose last sequence number the Engine keeps
 
 
 @dataclass(slots=True)
@@ -67,13 +68,22 @@ class RequestState:
     started_ts: float
     hints: dict[str, object]
     hit: PrefixHit | None = None
+    started_s: float = 0.0  # the Engine's clock when it started (request timeout)
 
 
 @dataclass(slots=True)
 class Counters:
     events: int = 0
     batches: int = 0
-    seq_gaps: int = 0
+    seq_gaps: int = 0  # a batch's seq past the next expected one (batches lost)
+    seq_duplicates: int = 0  # a batch's seq equal to the last one (sent twice)
+    seq_regressions: int = 0  # a batch's seq below the last one (out of order, or forged)
+    seq_restarts: int = 0  # seq back to 0 or 1 after more: the source restarted
+    stale_batches_dropped: int = 0  # duplicates and regressions not applied (drop_stale)
+    sources_forgotten: int = 0  # sources evicted from the bounded per-source table
+    requests_expired: int = 0  # requests dropped after request_timeout_s without finishing
+    requests_evicted: int = 0  # running requests past max_requests, oldest first, finished
+    workflows_evicted: int = 0  # active workflows past max_workflows, least recent, finished
     unknown_requests: int = 0
     workflows_started: int = 0
     workflows_finished: int = 0
@@ -95,6 +105,7 @@ class EngineState:
         self.agent_prefix: dict[str, tuple[int, ...]] = {}
         self._agent_prefix_source: dict[str, str] = {}
         self.counters = Counters()
+        self.active_count = 0  # workflows not done (kept as they change: bounds are O(1))
         self.last_seq: dict[str, int] = {}
         self._ticks = count(1)
 
@@ -173,6 +184,17 @@ class Engine:
     ``idle_timeout_s``: a workflow with no running request for this long is inferred finished.
     ``hook``: called with each event after the state and the policy saw it (the daemon's
     bookkeeping).
+    ``drop_stale``: batches whose sequence number is a duplicate or a regression of their
+    source's are counted and not applied (the daemon); otherwise counted and applied.
+    ``max_sources``: sources whose last sequence number is kept (least recently heard first
+    out), so a flood of source names cannot grow the table.
+    ``request_timeout_s``: a request running this long is finished by ``tick`` (it never
+    finished: a lost RequestFinished, a crashed sender, a flood), whatever else runs, so its
+    workflow can go idle. ``max_requests`` / ``max_workflows``: past this many running requests
+    / active workflows, the oldest request / least recently seen workflow is finished at once
+    (counted), so that the state a policy walks per snapshot and per decision stays bounded
+    under a flood (workflows of a single call are finished first, so a flood of new workflows
+    pushes out its own, not the established ones). None: no bound (the simulator's default).
     """
 
     def __init__(
@@ -183,8 +205,18 @@ class Engine:
         snapshot_ttl_s: float = 5.0,
         idle_timeout_s: float = 600.0,
         hook: Callable[[Event], None] | None = None,
+        drop_stale: bool = False,
+        max_sources: int = MAX_SOURCES,
+        request_timeout_s: float | None = None,
+        max_requests: int | None = None,
+        max_workflows: int | None = None,
     ) -> None:
         self.policy = policy
+        self.drop_stale = drop_stale
+        self.max_sources = max_sources
+        self.request_timeout_s = request_timeout_s
+        self.max_requests = max_requests
+        self.max_workflows = max_workflows
         self.hook = hook
         self.clock = clock
         self.snapshot_ttl_s = snapshot_ttl_s
@@ -204,12 +236,43 @@ class Engine:
 
     # -- events in -----------------------------------------------------------------------------
 
-    def apply(self, batch: EventBatch) -> None:
+    def check_seq(self, batch: EventBatch) -> bool:
+        """Count the batch's sequence number against its source's last: a gap, a duplicate, a
+        regression or a restart (back to 0 or 1), each counted apart. False when the batch is
+        a duplicate or a regression and ``drop_stale`` is set: it is not to be applied. The
+        per-source table keeps at most ``max_sources`` sources, the least recently heard
+        forgotten first (counted)."""
+        state, c = self.state, self.state.counters
+        table, source, seq = state.last_seq, batch.source, batch.seq
+        last = table.pop(source, None)
+        fresh = True
+        if last is not None and seq != last + 1:
+            if seq > last:
+                c.seq_gaps += 1
+            elif 0 <= seq <= 1 and seq < last:
+                c.seq_restarts += 1
+            elif seq == last:
+                c.seq_duplicates += 1
+                fresh = False
+            else:
+                c.seq_regressions += 1
+                fresh = False
+        if not fresh and self.drop_stale:
+            assert last is not None
+            table[source] = last
+            c.stale_batches_dropped += 1
+            return False
+        table[source] = seq
+        if len(table) > self.max_sources:
+            del table[next(iter(table))]  # the least recently heard source
+            c.sources_forgotten += 1
+        return True
+
+    def apply(self, batch: EventBatch) -> bool:
+        """Apply a batch; False when it was not applied (a stale batch, ``drop_stale``)."""
         state = self.state
-        last = state.last_seq.get(batch.source)
-        if last is not None and batch.seq != last + 1:
-            state.counters.seq_gaps += 1
-        state.last_seq[batch.source] = batch.seq
+        if not self.check_seq(batch):
+            return False
         state.counters.batches += 1
         # apply_event per event, inlined (one clock read per batch: it arrived at once)
         events = batch.events
@@ -221,6 +284,38 @@ class Engine:
             if hook is not None:
                 hook(event)
         state.counters.events += len(events)
+        if self.max_requests is not None and len(state.requests) > self.max_requests:
+            self._evict_requests(len(state.requests) - self.max_requests)
+        if self.max_workflows is not None and state.active_count > self.max_workflows:
+            self._evict_workflows()
+        return True
+
+    def _finish_requests(self, requests: Sequence[RequestState]) -> None:
+        for req in requests:
+            self.apply_event(RequestFinished(ts=req.started_ts, request_id=req.request_id))
+
+    def _evict_requests(self, excess: int) -> None:
+        oldest = list(islice(self.state.requests.values(), excess))
+        self.state.counters.requests_evicted += len(oldest)
+        self._finish_requests(oldest)
+
+    def _evict_workflows(self) -> None:
+        """Finish the least recently seen active workflows past ``max_workflows`` (called
+        only when more are active)."""
+        assert self.max_workflows is not None
+        active = [w for w in self.state.workflows.values() if not w.done]
+        excess = len(active) - self.max_workflows
+        if excess <= 0:
+            return
+        # workflows of one call go first (a flood of new workflows evicts its own, not the
+        # established ones), then the least recently seen
+        active.sort(key=lambda w: (len(w.agents) > 1, w.last_seen_s))
+        victims = {w.workflow_id for w in active[:excess]}
+        self._finish_requests([r for r in self.state.requests.values() if r.workflow_id in victims])
+        now = self.clock()
+        self.state.counters.workflows_evicted += len(victims)
+        for wf in active[:excess]:
+            self.apply_event(WorkflowFinished(ts=now, workflow_id=wf.workflow_id, reason="idle"))
 
     def apply_event(self, event: Event) -> None:
         self._handlers[type(event)](self.state, event, self.clock())
@@ -230,8 +325,18 @@ class Engine:
             self.hook(event)
 
     def tick(self) -> list[WorkflowFinished]:
-        """Infer finished workflows after ``idle_timeout_s`` without a running request."""
+        """Finish requests running past ``request_timeout_s``; infer finished workflows after
+        ``idle_timeout_s`` without a running request."""
         now = self.clock()
+        timeout = self.request_timeout_s
+        if timeout is not None:
+            expired = []
+            for req in self.state.requests.values():  # in start order: the oldest first
+                if now - req.started_s < timeout:
+                    break
+                expired.append(req)
+            self.state.counters.requests_expired += len(expired)
+            self._finish_requests(expired)
         inferred = [
             WorkflowFinished(ts=now, workflow_id=w.workflow_id, reason="idle")
             for w in self.state.workflows.values()
@@ -273,10 +378,12 @@ def _on_request_started(state: EngineState, ev: Event, now: float) -> None:
         wf = WorkflowState(ev.workflow_id, ev.workflow_type, ev.ts, ev.ts)
         state.workflows[ev.workflow_id] = wf
         state.counters.workflows_started += 1
+        state.active_count += 1
     elif wf.done:  # a workflow id reused after it finished: a new life
         wf.done = False
         wf.agents.clear()
         state.counters.workflows_started += 1
+        state.active_count += 1
     wf.agents.append(ev.agent)
     wf.last_ts = ev.ts
     wf.last_seen_s = now
@@ -295,9 +402,11 @@ def _on_request_started(state: EngineState, ev: Event, now: float) -> None:
     state.touch(blocks)
     wf.agent_blocks[ev.agent] = blocks
     state.learn_agent_prefix(ev.agent, ev.workflow_id, blocks)
+    state.requests.pop(ev.request_id, None)  # a restarted id goes to the end (oldest first)
     state.requests[ev.request_id] = RequestState(
-        ev.request_id, ev.workflow_id, ev.agent, blocks, ev.prompt_tokens, ev.ts, dict(ev.hints)
-    )
+        ev.request_id, ev.workflow_id, ev.agent, blocks, ev.prompt_tokens, ev.ts, dict(ev.hints),
+        started_s=now,
+    )  # fmt: skip
 
 
 def _on_prefix_hit(state: EngineState, ev: Event, now: float) -> None:
@@ -360,6 +469,7 @@ def _on_workflow_finished(state: EngineState, ev: Event, now: float) -> None:
     if wf is None or wf.done:
         return
     wf.done = True
+    state.active_count -= 1
     wf.last_ts = ev.ts
     state.counters.workflows_finished += 1
     resident = state.resident

@@ -253,9 +253,9 @@ class RecordingEngine(Engine):
         )
         self.batches: list[EventBatch] = []
 
-    def apply(self, batch: EventBatch) -> None:
+    def apply(self, batch: EventBatch) -> bool:
         self.batches.append(batch)
-        super().apply(batch)
+        return super().apply(batch)
 
 
 @dataclass
@@ -302,3 +302,4 @@ def check_ownership(state: EngineState) -> None:
         assert holders, block
         for wid in holders:
             assert block in state.workflows[wid].blocks, (wid, block)
+    assert state.active_count == len(state.active_workflows())  # kept incrementally

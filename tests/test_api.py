@@ -102,25 +102,32 @@ def test_ingest_history_sql_round_trip(http: httpx.Client) -> None:
     answer = http.post(
         "/api/sql",
         json={"sql": "select agent, count(*) as n from requests group by agent order by agent"},
+        headers=ADMIN,
     ).json()
     assert answer["columns"] == ["agent", "n"]
     assert answer["rows"] == [["coder", WORKFLOWS + 1], ["planner", WORKFLOWS + 1],
                               ["tester", WORKFLOWS + 1]]  # fmt: skip
     assert answer["truncated"] is False
-    capped = http.post("/api/sql", json={"sql": "select * from requests", "max_rows": 5}).json()
+    capped = http.post(
+        "/api/sql", json={"sql": "select * from requests", "max_rows": 5}, headers=ADMIN
+    ).json()
     assert len(capped["rows"]) == 5 and capped["truncated"] is True
     retire = http.post(
-        "/api/sql", json={"sql": "select count(*) from decisions where kind = 'retire'"}
+        "/api/sql",
+        json={"sql": "select count(*) from decisions where kind = 'retire'"},
+        headers=ADMIN,
     ).json()
     assert retire["rows"] == [[WORKFLOWS]]
 
 
 def test_sql_refusals_are_400_with_a_message(http: httpx.Client) -> None:
     for sql in ("delete from requests", "select * from read_csv('/etc/passwd')", "selec 1"):
-        r = http.post("/api/sql", json={"sql": sql})
+        r = http.post("/api/sql", json={"sql": sql}, headers=ADMIN)
         assert r.status_code == 400, sql
         assert r.json()["error"]
-    assert http.post("/api/sql", json={"sql": ""}).status_code == 422
+    assert http.post("/api/sql", json={"sql": ""}, headers=ADMIN).status_code == 422
+    # a token is set: SQL needs it too (issue #32)
+    assert http.post("/api/sql", json={"sql": "select 1"}).status_code == 401
 
 
 def test_admin_routes_need_the_token(http: httpx.Client) -> None:

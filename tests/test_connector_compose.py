@@ -4,6 +4,7 @@ needed, DESIGN.md §4) and wires vLLM to the connector and the daemon as documen
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,13 @@ def compose_bin() -> str:
     return found
 
 
-def compose(*args: str) -> subprocess.CompletedProcess[str]:
+TOKEN = "compose-test-token"
+
+
+def compose(*args: str, token: str | None = TOKEN) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "POLICYD_API_TOKEN"}
+    if token is not None:
+        env["POLICYD_API_TOKEN"] = token
     return subprocess.run(
         [compose_bin(), "-f", str(ROOT / "compose.yaml"), *args],
         capture_output=True,
@@ -31,6 +38,7 @@ def compose(*args: str) -> subprocess.CompletedProcess[str]:
         timeout=120,
         cwd=ROOT,
         check=False,
+        env=env,
     )
 
 
@@ -120,3 +128,21 @@ def test_the_vllm_service_mounts_every_module_the_connector_imports() -> None:
         if not any(p == m or m in p.parents for m in mounted)
     )
     assert not missing, f"compose.yaml does not mount {missing} into the vLLM image"
+
+
+@pytest.mark.parametrize("profile", [[], ["--profile", "demo"]])
+def test_the_http_api_is_never_published_beyond_loopback_without_a_token(
+    profile: list[str],
+) -> None:
+    """Compose refuses to start without POLICYD_API_TOKEN, hands it to the daemon and
+    the dashboard, and publishes their ports on the host's loopback only."""
+    refused = compose(*profile, "config", "--quiet", token=None)
+    assert refused.returncode != 0 and "POLICYD_API_TOKEN" in refused.stderr
+    services = resolved(*profile)["services"]
+    for name in ("policyd", "ui", "demo", "ui-demo"):
+        if name not in services or (profile == [] and name in ("demo", "ui-demo")):
+            continue
+        service = services[name]
+        assert service["environment"]["POLICYD_API_TOKEN"] == TOKEN, name
+        for port in service.get("ports", []):
+            assert port["host_ip"] == "127.0.0.1", (name, port)

@@ -194,7 +194,7 @@ def test_tunables_are_validated_with_clear_messages() -> None:
          "host_tier_gib": 12}
     )  # fmt: skip
     assert good == {"lookahead_k": 4, "host_tier_gib": 12.0}
-    assert "discount must be > 0.0" in errors["discount"]
+    assert "discount must be in (0, 1]" in errors["discount"]
     assert "policy must be one of" in errors["policy"]
     assert "unknown setting 'bogus'" in errors["bogus"]
     assert "must be a string" in errors["write_filter_mode"]

@@ -9,10 +9,14 @@ import pytest
 
 import policyd.bench
 import policyd.daemon.ingest
+import policyd.daemon.settings
+import policyd.history.safe_sql
 import policyd.policies.referee
 import policyd.policies.stepgraph
 import policyd.policies.virtual
+import policyd.ratelog
 import policyd.types
+import policyd.validate
 import policyd.workload
 
 
@@ -21,10 +25,14 @@ import policyd.workload
     [
         policyd.bench,
         policyd.daemon.ingest,
+        policyd.daemon.settings,
+        policyd.history.safe_sql,
         policyd.policies.referee,
         policyd.policies.stepgraph,
         policyd.policies.virtual,
+        policyd.ratelog,
         policyd.types,
+        policyd.validate,
         policyd.workload,
     ],
     ids=lambda module: module.__name__,

@@ -299,9 +299,34 @@ def test_sequence_gaps_are_counted_per_source() -> None:
     for source, seq in [("a", 1), ("a", 2), ("b", 7), ("a", 4), ("b", 8), ("a", 5), ("b", 8)]:
         engine.apply(EventBatch(source=source, seq=seq, events=empty))
     counters = engine.state.counters
-    assert counters.seq_gaps == 2  # a: 2 -> 4 and b: 8 -> 8 (a replay)
-    assert counters.batches == 7
+    assert counters.seq_gaps == 1  # a: 2 -> 4
+    assert counters.seq_duplicates == 1  # b: 8 -> 8 (a replay), counted apart (issue #32)
+    assert counters.batches == 7  # applied: drop_stale is off
     assert engine.state.last_seq == {"a": 5, "b": 8}
+
+
+def test_duplicates_regressions_and_restarts_are_told_apart_and_stale_ones_dropped() -> None:
+    engine = make_engine()
+    engine.drop_stale = True
+    empty: tuple[Event, ...] = ()
+    applied = [
+        engine.apply(EventBatch(source="a", seq=seq, events=empty)) for seq in (5, 6, 6, 3, 9, 1, 2)
+    ]
+    assert applied == [True, True, False, False, True, True, True]
+    c = engine.state.counters
+    assert (c.seq_gaps, c.seq_duplicates, c.seq_regressions, c.seq_restarts) == (1, 1, 1, 1)
+    assert c.stale_batches_dropped == 2 and c.batches == 5
+
+
+def test_the_per_source_table_is_bounded() -> None:
+    engine = make_engine()
+    engine.max_sources = 100
+    empty: tuple[Event, ...] = ()
+    for i in range(20_000):
+        engine.apply(EventBatch(source=f"s{i}", seq=1, events=empty))
+    assert len(engine.state.last_seq) == 100
+    assert engine.state.counters.sources_forgotten == 19_900
+    assert "s19999" in engine.state.last_seq  # the most recently heard are kept
 
 
 def test_the_first_batch_of_a_source_is_never_a_gap() -> None:

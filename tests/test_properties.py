@@ -211,9 +211,10 @@ class ViewRecordingEngine(RecordingEngine):
         )
         self.views: list[dict[str, object]] = []
 
-    def apply(self, batch: EventBatch) -> None:
-        super().apply(batch)
+    def apply(self, batch: EventBatch) -> bool:
+        applied = super().apply(batch)
         self.views.append(engine_view(self.state))
+        return applied
 
 
 @cases

@@ -8,6 +8,8 @@ thread. Errors are ``{"error": "..."}`` with a 4xx status; admin routes need
 from __future__ import annotations
 
 import hmac
+import json
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -22,11 +24,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from policyd.daemon import views
 from policyd.daemon.service import Service
-from policyd.history import SqlRefused
+from policyd.history import HistoryError, SqlRefused
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
 MAX_SQL_ROWS = 10_000
+MAX_SETTINGS_BODY_BYTES = 64 * 1024  # a settings change is a few keys
+MAX_ERRORS_SHOWN = 20
 DECISION_KINDS = ("evict", "admit", "decline", "prefetch", "pin", "retire")
 
 
@@ -57,6 +62,11 @@ class SqlBody(BaseModel):
     sql: str = Field(min_length=1, max_length=100_000)
     max_rows: int = Field(default=1000, ge=0, le=MAX_SQL_ROWS)
     format: Literal["json"] = "json"
+
+
+def _cut(message: str, limit: int = 400) -> str:
+    """An error message cut to ``limit`` characters (it may quote a long bad value)."""
+    return message if len(message) <= limit else f"{message[:limit]}... ({len(message)} chars)"
 
 
 def _json_safe(value: object) -> object:
@@ -90,16 +100,28 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
             parts.append(f"{where or 'body'}: {err.get('msg')}")
         return JSONResponse({"error": "; ".join(parts)}, status_code=422)
 
+    @app.exception_handler(HistoryError)
+    async def _history(request: Request, exc: HistoryError) -> JSONResponse:
+        # the history process is down or its link is: say so at once (never hang)
+        return JSONResponse(
+            {"error": _cut(f"the history is not available: {exc}")}, status_code=503
+        )
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
+
+    token_bytes = (token or "").encode("utf-8")
 
     def admin(request: Request) -> None:
         if not token:
             return
         header = request.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), token):
+        # header values arrive decoded as latin-1: compare bytes (a str with non-ASCII
+        # characters is a TypeError in compare_digest, which was a 500)
+        given_bytes = given.strip().encode("latin-1", errors="replace")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given_bytes, token_bytes):
             raise ApiError(401, "this route needs 'Authorization: Bearer <token>'")
 
     async def call(fn: Callable[..., T], *args: Any) -> T:
@@ -179,28 +201,39 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
 
     @app.put("/api/settings", dependencies=[Depends(admin)])
     async def put_settings(request: Request) -> Any:
+        raw = await request.body()
+        if len(raw) > MAX_SETTINGS_BODY_BYTES:
+            raise ApiError(413, f"the body is over {MAX_SETTINGS_BODY_BYTES} bytes")
         try:
-            body = await request.json()
-        except ValueError:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             raise ApiError(400, 'the body must be a JSON object {"key": value, ...}') from None
         if not isinstance(body, dict) or not body:
             raise ApiError(400, 'the body must be a non-empty JSON object {"key": value, ...}')
         errors = await call(service.update_settings, body, "api")
         if errors:
-            summary = "; ".join(f"{k}: {v}" for k, v in errors.items())
-            raise ApiError(400, f"nothing applied: {summary}", errors=errors)
+            shown = list(errors.items())[:MAX_ERRORS_SHOWN]
+            summary = "; ".join(f"{k}: {v}" for k, v in shown)
+            if len(errors) > len(shown):
+                summary += f"; and {len(errors) - len(shown)} more"
+            raise ApiError(400, f"nothing applied: {summary}", errors=dict(shown))
         return views.settings_view(service)
 
     @app.get("/api/settings/history")
     async def settings_history(limit: int = Query(100, ge=1, le=1000)) -> Any:
         return _json_safe({"changes": await call(views.settings_history, service, limit)})
 
-    @app.post("/api/sql")
+    sql_guard = [] if service.settings.sql_without_token else [Depends(admin)]
+
+    @app.post("/api/sql", dependencies=sql_guard)
     async def sql(body: SqlBody) -> Any:
         try:
             result = await call(views.sql, service, body.sql, body.max_rows)
-        except (SqlRefused, ValueError) as exc:
-            raise ApiError(400, str(exc)) from None
+        except (SqlRefused, ValueError) as exc:  # (DuckDB's message may quote the query)
+            raise ApiError(400, _cut(str(exc))) from None
+        except HistoryError:  # its message names the file: not for the API
+            log.warning("POST /api/sql: the history snapshot is not readable", exc_info=True)
+            raise ApiError(503, "the history snapshot is not readable now; retry") from None
         return _json_safe(result)
 
     @app.post("/api/checkpoint", dependencies=[Depends(admin)])

@@ -6,14 +6,19 @@ A checkpoint is a pickle of ``{"format": FORMAT_VERSION, "saved_ts": ..., "model
 temporary file and moved into place with ``os.replace``, so a crash mid-write leaves the previous
 checkpoint whole. Loading a file that is unreadable, truncated, of another format or of the wrong
 shape is never fatal: the file is moved aside to ``<name>.corrupt-<unix ts>`` and the daemon
-starts fresh. Only load checkpoints this daemon wrote: unpickling runs code.
+starts fresh. Only load checkpoints this daemon wrote: unpickling runs code. So a checkpoint is
+written 0600 (owner only), and one that is not owned by the daemon's user or is writable by
+group or others (checked on the opened file, not the path) is refused unread: set aside, the
+daemon starts fresh (issue #32).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +46,10 @@ def save(path: Path, models: dict[str, Any], *, wall_clock: float | None = None)
     }
     data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # a leftover of ours: O_EXCL below makes the file new, and 0600
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as fh:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
@@ -49,12 +57,29 @@ def save(path: Path, models: dict[str, Any], *, wall_clock: float | None = None)
     return len(data)
 
 
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint someone else could have written: not unpickled."""
+
+
+def _check_owner_only(fd: int, path: Path) -> None:
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        raise UnsafeCheckpointError(f"{path} is owned by uid {st.st_uid}, not this daemon's user")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeCheckpointError(
+            f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
+            "a checkpoint is unpickled, so only one writable by this user alone is loaded"
+        )
+
+
 def load(path: Path) -> Restored:
     """The models saved at ``path``; a missing file is a fresh start, a bad one is set aside."""
     if not path.exists():
         return Restored(None)
     try:
-        with open(path, "rb") as fh:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as fh:
+            _check_owner_only(fd, path)  # before unpickling anything
             payload = pickle.load(fh)  # our own file only: see the module docstring
         if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION:
             found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__

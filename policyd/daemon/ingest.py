@@ -45,6 +45,7 @@ from typing import Final
 import msgspec
 import zmq
 
+from policyd.ratelog import RateLimitedLog, quote
 from policyd.types import (
     BLOCK_LEVEL,
     AllBlocksCleared,
@@ -57,6 +58,7 @@ from policyd.types import (
     RequestFinished,
     WorkflowFinished,
 )
+from policyd.validate import Validator
 from policyd.wire import MAX_EVENTS_PER_BATCH
 
 log = logging.getLogger(__name__)
@@ -194,6 +196,10 @@ class IngestCounters:
     block_events_received: int = 0  # hashes named by block-level events received
     block_events_shed: int = 0  # of them, sampled away
     frames_dropped_undecoded: int = 0  # of frames_dropped, past the last resort: not decoded
+    events_invalid: int = 0  # events out of their schema's ranges, dropped (policyd.validate)
+    oversize_frames: int = 0  # of malformed_frames, over max_frame_bytes
+    connections_closed: int = 0  # sender connections closed (by the sender, or by ZeroMQ for a
+    # frame over its transport cap, 4 x max_frame_bytes: such a frame never reaches the queue)
     last_malformed: str = ""
 
 
@@ -259,7 +265,8 @@ class IngestQueue:
         # counters change on the receiver's thread, the engine worker's (frames it decodes)
         # and the vLLM subscriber's (batches it offers): one at a time
         self._counting = threading.Lock()
-        self._last_log_s = -1e9
+        self.validator = Validator()
+        self.ratelog = RateLimitedLog(log)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -288,7 +295,7 @@ class IngestQueue:
         except CodecError as exc:
             with self._counting:
                 c.frames += 1
-            self.malformed(exc)
+            self.malformed(exc, oversize=True)
             return False
         with self._counting:
             c.frames += 1
@@ -309,20 +316,20 @@ class IngestQueue:
             return None
         return self.admit(batch, item.received_ts, recorded=item.recorded)
 
-    def malformed(self, exc: Exception) -> None:
-        """Count a rejected frame, and log it (at most every ten seconds)."""
+    def malformed(self, exc: Exception, *, oversize: bool = False) -> None:
+        """Count a rejected frame, and log it (rate-limited: ``RateLimitedLog``)."""
         c = self.counters
+        text = str(exc)[:200]
         with self._counting:
             c.malformed_frames += 1
-            c.last_malformed = str(exc)[:200]
-        now = time.monotonic()
-        if now - self._last_log_s >= 10.0:
-            self._last_log_s = now
-            log.warning(
-                "rejected a malformed event frame (%d so far): %s",
-                self.counters.malformed_frames,
-                exc,
-            )
+            c.oversize_frames += oversize
+            c.last_malformed = text
+        self.ratelog.warning(
+            "malformed-frame",
+            "rejected a malformed event frame (%d so far): %s",
+            c.malformed_frames,
+            text,
+        )
 
     def admit(
         self, batch: EventBatch, received_ts: float, *, recorded: bool = False
@@ -339,6 +346,18 @@ class IngestQueue:
     def _admit(self, batch: EventBatch, received_ts: float, recorded: bool) -> Received | None:
         c = self.counters
         c.events_received += len(batch.events)
+        n = len(batch.events)
+        batch = self.validator.clean(batch)  # out-of-range events: counted by reason, dropped
+        if len(batch.events) != n:
+            c.events_invalid += n - len(batch.events)
+            self.ratelog.warning(
+                "invalid-event",
+                "dropped %d out-of-range event(s) from source %s (%d so far; by reason: %s)",
+                n - len(batch.events),
+                quote(batch.source, 80),
+                c.events_invalid,
+                self.validator.by_reason(),
+            )
         blocks = block_events(batch)
         c.block_events_received += blocks
         if self.depth >= HARD_BOUND_FACTOR * self.max_frames:
@@ -446,9 +465,19 @@ class Receiver:
     def _run(self) -> None:
         sock, queue, forward = self._sock, self.queue, self.forward
         recorded = forward is not None
+        # ZeroMQ drops a message over MAXMSGSIZE at the transport and closes the sender's
+        # connection, telling the socket nothing but DISCONNECTED on its monitor: those are
+        # counted (``connections_closed``; a sender closing its socket is one too)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not sock.poll(100):
+                ready = dict(poller.poll(100))
+                if monitor in ready:
+                    self._drain_monitor(monitor)
+                if sock not in ready:
                     continue
                 now = self.wall_clock()
                 for _ in range(1024):  # drain what is there, then look at the stop flag
@@ -460,4 +489,17 @@ class Receiver:
                     if queue.offer_frame(frame.buffer, now, recorded=recorded) and forward:
                         forward(frame, now)
         finally:
+            sock.disable_monitor()
+            monitor.close(0)
             self._sock.close()
+
+    def _drain_monitor(self, monitor: zmq.Socket[bytes]) -> None:
+        while True:
+            try:
+                event = monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            kind = int.from_bytes(event[0][:2], "little") if event and len(event[0]) >= 2 else 0
+            if kind == zmq.EVENT_DISCONNECTED:
+                with self.queue._counting:
+                    self.queue.counters.connections_closed += 1

@@ -36,9 +36,11 @@ from typing import Final
 import msgspec
 import zmq
 
+from policyd.ratelog import RateLimitedLog, quote
 from policyd.types import AllBlocksCleared, BlocksRemoved, BlocksStored, Event, EventBatch, Tier
 
 log = logging.getLogger(__name__)
+_RATELOG = RateLimitedLog(log)  # a stream of bad batches writes a line per 10 s, with a count
 
 U64_MASK: Final = (1 << 64) - 1
 MEDIUM_TIERS: Final[dict[str | None, Tier]] = {None: "gpu", "GPU": "gpu", "CPU": "host"}
@@ -224,7 +226,10 @@ class KvEventSubscriber:
             tr = translate_payload(payload, self.clock())
         except KvEventError as exc:
             self.counters["malformed"] += 1
-            log.warning("vLLM KV event batch %d rejected: %s", seq, exc)
+            _RATELOG.warning(
+                "kv-event", "vLLM KV event batch %d rejected (%d so far): %s",
+                seq, self.counters["malformed"], quote(str(exc)),
+            )  # fmt: skip
             self._last_seq = seq
             return
         self._last_seq = seq

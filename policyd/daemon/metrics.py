@@ -39,12 +39,31 @@ class _StatsCollector(Collector):
             "events_dropped": "Request-level events dropped past the hard bound (not shed).",
             "malformed_frames": "Event frames rejected as malformed.",
             "seq_gaps": "Batch sequence gaps over all sources.",
+            "seq_duplicates": "Batches repeating their source's last sequence number (dropped).",
+            "seq_regressions": "Batches behind their source's last sequence number (dropped).",
+            "seq_restarts": "Sources whose sequence numbers started over at 0 or 1.",
+            "sources_forgotten": "Sources dropped from the bounded per-source sequence table.",
+            "requests_expired": "Requests finished by the daemon after request_timeout_s.",
+            "requests_evicted": "Running requests past max_running_requests, finished.",
+            "workflows_evicted": "Active workflows past max_active_workflows, finished.",
+            "oversize_frames": "Event frames over max_frame_bytes (counted in malformed_frames).",
+            "connections_closed": "Sender connections closed (by the sender, or by ZeroMQ for a "
+            "frame over its transport cap).",
+            "events_invalid": "Events out of their schema's ranges, dropped.",
             "requests": "Requests started.",
             "prompt_blocks": "Prompt blocks over all prefix-hit reports.",
             "write_declined_blocks": "Blocks declined by the daemon's admission decisions.",
         }
         for key, text in counters.items():
             yield CounterMetricFamily(f"policyd_{key}", text, value=_num(s.get(key)))
+        invalid = CounterMetricFamily(
+            "policyd_events_invalid_by_reason",
+            "Events out of their schema's ranges, dropped, by reason.",
+            labels=["reason"],
+        )
+        for reason, n in sorted(s.get("events_invalid_by_reason", {}).items()):
+            invalid.add_metric([reason], _num(n))
+        yield invalid
         hits = CounterMetricFamily(
             "policyd_hit_blocks", "Prompt blocks served per tier.", labels=["tier"]
         )

@@ -67,6 +67,7 @@ def start_daemon(settings: DaemonSettings) -> RunningDaemon:
 
     ``http_port=0`` and ZeroMQ endpoints like ``tcp://127.0.0.1:*`` pick free ports (see
     ``RunningDaemon.http_url`` / ``events_endpoint`` / ``snapshots_endpoint``)."""
+    settings.check()  # (settings made with replace() skip load()'s check: the bind rule too)
     service = Service(settings)
     service.start()
     family = socket.AF_INET6 if ":" in settings.http_host else socket.AF_INET

@@ -47,6 +47,7 @@ from policyd.daemon.sizing import (
 )
 from policyd.engine import Engine
 from policyd.history import History, HistoryConfig
+from policyd.history.files import remove_stale_temp_files
 from policyd.history.process import HistoryProcess
 from policyd.mrc import GiB
 from policyd.policies import POLICIES, Policy, make_policy
@@ -169,16 +170,22 @@ class Service:
             "restored": False,
             "error": None,
             "moved_to": None,
+            "rejected_settings": {},  # persisted settings ignored at start, and why
         }
         self.checkpoint_saves = 0
         self._restored_predictions: PredictionLog | None = None
         self._restore()
         self.engine = Engine(
-            self._build_policy(str(self.tunables["policy"])),
+            self._start_policy(),
             hook=self._observe,
             clock=clock,
             snapshot_ttl_s=settings.snapshot_ttl_s,
             idle_timeout_s=settings.idle_timeout_s,
+            drop_stale=True,
+            max_sources=settings.max_sources,
+            request_timeout_s=settings.request_timeout_s,
+            max_requests=settings.max_running_requests,
+            max_workflows=settings.max_active_workflows,
         )
         self.predictions = self._restored_predictions or PredictionLog(wall_clock)
         self.predictions.wall_clock = wall_clock
@@ -211,6 +218,11 @@ class Service:
             flush_interval_s=settings.history_flush_interval_s,
             cpu_budget=settings.history_cpu_budget or None,
         )
+        # what a crash while publishing a snapshot or writing a checkpoint left behind
+        for stale in remove_stale_temp_files(
+            [history_config.resolved_snapshot_path, settings.checkpoint_path]
+        ):
+            log.warning("removed a stale temporary file left by a crash: %s", stale)
         self.history: History | HistoryProcess
         if settings.history_writer == "process":
             self.history = HistoryProcess(history_config)
@@ -403,10 +415,32 @@ class Service:
             self.shards = shards
         saved = models.get("tunables")
         if isinstance(saved, dict):
-            good, _ = validate_tunables(saved)  # a setting that no longer validates is dropped
+            # a persisted setting that does not validate (out of range, from an older daemon,
+            # a hand-edited file) is reported and its default kept: the daemon always starts
+            good, errors = validate_tunables(saved)
             good.pop("policy", None)  # the policy named at start (flag, env, default) wins
             self.tunables.update(good)
+            self._report_rejected(errors)
         self.checkpoint_info["restored"] = True
+
+    def _report_rejected(self, errors: Mapping[str, str]) -> None:
+        for key, why in errors.items():
+            log.warning("persisted setting %s ignored, its default used: %s", key[:200], why)
+        rejected = self.checkpoint_info.setdefault("rejected_settings", {})
+        assert isinstance(rejected, dict)
+        rejected.update(errors)
+
+    def _start_policy(self) -> Policy:
+        """The policy at start, from the restored settings; settings the policy refuses (a
+        value a later daemon no longer accepts) are reported and their defaults used."""
+        try:
+            return self._build_policy(str(self.tunables["policy"]))
+        except Exception as exc:
+            defaults = default_tunables(self.settings.policy)
+            changed = [k for k in POLICY_PARAMS if self.tunables.get(k) != defaults[k]]
+            self._report_rejected({k: f"refused by the policy: {exc}" for k in changed})
+            self.tunables.update({k: defaults[k] for k in changed})
+            return self._build_policy(str(self.tunables["policy"]))
 
     def save_checkpoint(self) -> dict[str, object]:
         with self.lock:
@@ -446,15 +480,20 @@ class Service:
         return self.queue.depth > self.queue.shed_above // 2
 
     def _apply_items(self, items: Sequence[Received]) -> None:
+        validator = self.queue.validator
         for item in items:
             with self.lock:  # per batch: HTTP decisions wait at most one batch
-                self.engine.apply(item.batch)
-                self.counts["events"] += item.events
-                self.counts["block_events"] += item.block_events
+                # the checks that need the Engine's state (ingest did the stateless ones)
+                batch = validator.check_hits(item.batch, self.engine.state)
+                applied = self.engine.apply(batch)  # False: a duplicate or regressed seq
+                if applied:
+                    dropped = len(item.batch.events) - len(batch.events)
+                    self.counts["events"] += item.events - dropped
+                    self.counts["block_events"] += item.block_events
             if self.lock.contended:  # a decision or a snapshot waits: let it in first
                 time.sleep(YIELD_S)
-            if item.batch.events and not item.recorded:
-                self.history.record_batch(item.batch, received_ts=item.received_ts)
+            if applied and batch.events and not item.recorded:
+                self.history.record_batch(batch, received_ts=item.received_ts)
 
     def _observe(self, event: Event) -> None:
         """Bookkeeping after the Engine and the policy saw ``event`` (under the lock)."""

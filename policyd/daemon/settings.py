@@ -9,6 +9,7 @@ of it is applied. Constructors elsewhere receive narrow values, never these obje
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import os
 from collections.abc import Mapping
@@ -18,6 +19,7 @@ from typing import Any, Final
 
 from policyd.daemon.ingest import INGEST_MAX_FRAME_BYTES
 from policyd.policies import POLICIES
+from policyd.ratelog import QUOTE_CHARS, quote
 from policyd.sim.profiles import PROFILES
 from policyd.wire import (
     DEFAULT_EVENTS_ENDPOINT,
@@ -28,6 +30,20 @@ from policyd.wire import (
 
 ENV_PREFIX: Final = "POLICYD_"
 HISTORY_WRITERS: Final = ("process", "thread")
+MAX_SECONDS: Final = 366 * 86400.0  # the longest interval or timeout a setting may name
+# settings in seconds that must be positive and at most MAX_SECONDS (0 or 1e308 would spin or
+# overflow the thread that waits on them)
+POSITIVE_SECONDS: Final = (
+    "checkpoint_interval_s",
+    "tick_interval_s",
+    "idle_timeout_s",
+    "request_timeout_s",
+    "snapshot_ttl_s",
+    "stats_interval_s",
+    "sizing_interval_s",
+    "history_flush_interval_s",
+    "history_retention_s",
+)
 
 
 def _help(text: str, **extra: Any) -> Any:
@@ -60,8 +76,31 @@ class DaemonSettings:
     token: str | None = field(
         default=None,
         metadata={
-            "help": "Bearer token required on admin routes (settings writes, checkpoint).",
+            "help": "Bearer token required on admin routes (settings writes, checkpoint) and "
+            "on /api/sql.",
             "env": "POLICYD_API_TOKEN",
+        },
+    )
+    token_file: Path | None = field(
+        default=None,
+        metadata={
+            "help": "File holding the bearer token (read at start, surrounding whitespace "
+            "dropped): unlike --token, the secret is not on the command line, where ps shows it."
+        },
+    )
+    allow_open_http: bool = field(
+        default=False,
+        metadata={
+            "help": "Serve the HTTP API on a non-loopback address without a token. Without "
+            "this, `policyd serve` refuses to: anyone who reaches the address could change "
+            "settings and read the history."
+        },
+    )
+    sql_without_token: bool = field(
+        default=False,
+        metadata={
+            "help": "Let POST /api/sql answer without the bearer token when a token is set "
+            "(by default it needs it, as the admin routes do)."
         },
     )
     policy: str = field(default="pbkv", metadata={"help": "Policy at start (a tunable later)."})
@@ -107,6 +146,35 @@ class DaemonSettings:
     max_frame_bytes: int = field(
         default=INGEST_MAX_FRAME_BYTES,
         metadata={"help": "Event frames larger than this are rejected as malformed."},
+    )
+    max_sources: int = field(
+        default=4096,
+        metadata={
+            "help": "Event sources whose last sequence number is kept (least recently heard "
+            "forgotten first, counted), so a flood of source names cannot grow the table."
+        },
+    )
+    request_timeout_s: float = field(
+        default=900.0,
+        metadata={
+            "help": "A request running this long without a RequestFinished is finished by the "
+            "daemon (counted in requests_expired), even while others run."
+        },
+    )
+    max_running_requests: int = field(
+        default=4096,
+        metadata={
+            "help": "Running requests the Engine tracks; past this the oldest is finished at "
+            "once (requests_evicted), so a flood of unfinished requests stays bounded."
+        },
+    )
+    max_active_workflows: int = field(
+        default=256,
+        metadata={
+            "help": "Active workflows the Engine tracks; past this one is finished at once "
+            "(workflows_evicted): of those that made a single call the least recently seen, "
+            "then of the others. What a snapshot and a decision walk stays bounded."
+        },
     )
     tick_interval_s: float = field(
         default=1.0, metadata={"help": "Seconds between idle-workflow checks (engine.tick)."}
@@ -173,8 +241,11 @@ class DaemonSettings:
                 try:
                     values[f.name] = _parse(f.type, raw)
                 except ValueError as exc:
-                    raise ValueError(f"{env}={raw!r}: {exc}") from None
+                    raise ValueError(f"{env}={quote(raw)}: {exc}") from None
         values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        token_file = values.get("token_file")
+        if token_file is not None and not values.get("token"):
+            values["token"] = _read_token(Path(str(token_file)))
         settings = cls(**values)  # type: ignore[arg-type]
         settings.check()
         return settings
@@ -182,19 +253,39 @@ class DaemonSettings:
     def check(self) -> None:
         if self.policy not in online_policies():
             raise ValueError(
-                f"unknown policy {self.policy!r}; valid: {', '.join(online_policies())}"
+                f"unknown policy {quote(self.policy)}; valid: {', '.join(online_policies())}"
             )
         if self.profile not in PROFILES:
-            raise ValueError(f"unknown profile {self.profile!r}; valid: {', '.join(PROFILES)}")
+            raise ValueError(f"unknown profile {quote(self.profile)}; valid: {', '.join(PROFILES)}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{f.name} must be a finite number, got {quote(value)}")
+        for name in POSITIVE_SECONDS:
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= MAX_SECONDS:
+                raise ValueError(f"{name} must be in (0, {MAX_SECONDS:g}] s, got {quote(value)}")
+        for name in ("max_sources", "max_running_requests", "max_active_workflows"):
+            if not 1 <= getattr(self, name) <= 10_000_000:
+                raise ValueError(f"{name} must be in [1, 10000000], got {getattr(self, name)}")
         if self.heap_trim_interval_s < 0:
             raise ValueError("heap_trim_interval_s must be >= 0 (0 turns it off)")
         if self.shed_above_frames >= self.ingest_queue_frames:
             raise ValueError("shed_above_frames must be below ingest_queue_frames")
         if self.history_cpu_budget < 0:
             raise ValueError("history_cpu_budget must be >= 0 (0: no budget)")
+        if self.token is not None and not self.token.strip():
+            raise ValueError("token is empty")
+        if not self.token and not self.allow_open_http and not is_loopback(self.http_host):
+            raise ValueError(
+                f"refusing to serve the HTTP API on {quote(self.http_host, 80)} without a token: "
+                "anyone who reaches it could change settings and read the history. Set one "
+                "(POLICYD_API_TOKEN, or --token-file / POLICYD_TOKEN_FILE), bind loopback, or "
+                "say --allow-open-http (POLICYD_ALLOW_OPEN_HTTP=true)"
+            )
         if self.history_writer not in HISTORY_WRITERS:
             raise ValueError(
-                f"unknown history_writer {self.history_writer!r}; valid: "
+                f"unknown history_writer {quote(self.history_writer)}; valid: "
                 f"{', '.join(HISTORY_WRITERS)}"
             )
 
@@ -215,8 +306,37 @@ class DaemonSettings:
         ]
 
 
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the API on this machine: a loopback address or
+    ``localhost`` (``0.0.0.0``, ``::`` and other names are not).
+
+    >>> [is_loopback(h) for h in ("127.0.0.1", "::1", "localhost", "0.0.0.0", "10.0.0.2", "")]
+    [True, True, True, False, False, False]
+    """
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _read_token(path: Path) -> str:
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the token file {path}: {exc.strerror}") from None
+    if not token:
+        raise ValueError(f"the token file {path} is empty")
+    return token
+
+
 def _parse(kind: object, raw: str) -> object:
     text = str(kind)
+    if text == "bool":
+        if raw.strip().lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
+            raise ValueError("expected true/false (1/0, yes/no, on/off)")
+        return raw.strip().lower() in ("1", "true", "yes", "on")
     if "Path" in text:
         return Path(raw)
     if text.startswith("int"):
@@ -245,29 +365,36 @@ class Tunable:
     max: float | None = None
     min_exclusive: bool = False
 
+    def range_text(self) -> str:
+        """The declared range, as error messages and the docs show it: ``(0, 1]``."""
+        if self.choices is not None:
+            return "one of " + ", ".join(self.choices)
+        low = "(" if self.min_exclusive else "["
+        return f"{low}{_number(self.min)}, {_number(self.max)}]"
+
     def check(self, value: object) -> object:
-        """The value converted to ``type``, or ``ValueError`` saying what is wrong."""
+        """The value converted to ``type``, or ``ValueError`` saying what is wrong (the range
+        named, the bad value quoted to at most ``QUOTE_CHARS`` characters)."""
         if self.type is int:
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{self.key} must be an integer, got {value!r}")
+                raise ValueError(f"{self.key} must be an integer, got {quote(value)}")
         elif self.type is float:
             if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"{self.key} must be a number, got {value!r}")
+                raise ValueError(f"{self.key} must be a number, got {quote(value)}")
             value = float(value)
             if not math.isfinite(value):
-                raise ValueError(f"{self.key} must be finite, got {value!r}")
+                raise ValueError(
+                    f"{self.key} must be a finite number in {self.range_text()}, got {quote(value)}"
+                )
         elif not isinstance(value, str):
-            raise ValueError(f"{self.key} must be a string, got {value!r}")
+            raise ValueError(f"{self.key} must be a string, got {quote(value)}")
         if self.choices is not None and value not in self.choices:
-            raise ValueError(f"{self.key} must be one of {', '.join(self.choices)}, got {value!r}")
+            raise ValueError(f"{self.key} must be {self.range_text()}, got {quote(value)}")
         if isinstance(value, int | float):
-            if self.min is not None and (
-                value <= self.min if self.min_exclusive else value < self.min
-            ):
-                op = ">" if self.min_exclusive else ">="
-                raise ValueError(f"{self.key} must be {op} {self.min}, got {value!r}")
-            if self.max is not None and value > self.max:
-                raise ValueError(f"{self.key} must be <= {self.max}, got {value!r}")
+            assert self.min is not None and self.max is not None  # declared (tunables())
+            below = value <= self.min if self.min_exclusive else value < self.min
+            if below or value > self.max:
+                raise ValueError(f"{self.key} must be in {self.range_text()}, got {quote(value)}")
         return value
 
     def describe(self, value: object) -> dict[str, object]:
@@ -283,8 +410,21 @@ class Tunable:
         }
 
 
+MAX_BLOCKS_SETTING: Final = 1_000_000  # prefetch budget, write-filter kappa
+MAX_HOST_TIER_GIB: Final = 1024.0 * 1024.0  # 1 PiB: host blocks stay a finite integer
+
+
+def _number(value: float | None) -> str:
+    """1048576.0 -> '1048576', 0.05 -> '0.05' (a range as people write it)."""
+    if value is None:
+        return "?"
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
 def tunables() -> dict[str, Tunable]:
-    """The live knobs (names final; HTTP_API.md), in display order."""
+    """The live knobs (names final; HTTP_API.md), in display order. Every number has a range
+    (``min``..``max``) inside which the daemon keeps working: a sizing of 1e308 GiB or a
+    snapshot every 1e-300 s are refused, not applied."""
     items = [
         Tunable("policy", str, "pbkv", "Eviction/admission/prefetch policy.",
                 choices=tuple(online_policies())),
@@ -292,26 +432,26 @@ def tunables() -> dict[str, Tunable]:
         Tunable("discount", float, 0.8, "Weight of step k+1 relative to step k in the lookahead "
                 "score (PBKV's gamma).", min=0.0, max=1.0, min_exclusive=True),
         Tunable("prefetch_budget_blocks", int, 0, "Blocks staged/prefetched per snapshot "
-                "(0: no prefetch).", min=0),
+                "(0: no prefetch).", min=0, max=MAX_BLOCKS_SETTING),
         Tunable("write_filter_mode", str, "conditioned", "Host-tier write filter of policies "
                 "that have one (efficientagent): none = write all, fixed = always decline large "
                 "refills, conditioned = only under pressure.",
                 choices=("none", "fixed", "conditioned")),
         Tunable("write_filter_kappa_chunks", int, 8, "A request adding more than this many new "
                 "chunks (1024 tokens each) is a large refill the filter may decline "
-                "(EfficientAgent's kappa).", min=1),
+                "(EfficientAgent's kappa).", min=1, max=MAX_BLOCKS_SETTING),
         Tunable("write_filter_theta", float, 0.95, "Host-tier occupancy at or above which the "
                 "tier counts as under pressure (write filter).", min=0.0, max=1.0,
                 min_exclusive=True),
         Tunable("host_tier_gib", float, 256.0, "Current host-tier size (sizing and pressure).",
-                min=0.0),
+                min=0.0, max=MAX_HOST_TIER_GIB),
         Tunable("block_sample_rate", float, 1.0,
                 "Share of block-level rows the history keeps at most (halved while its writer "
                 "is behind).", min=0.0, max=1.0, min_exclusive=True),
         Tunable("snapshot_interval_s", float, 0.5, "Seconds between published snapshots.",
-                min=0.0, min_exclusive=True),
+                min=0.05, max=3600.0),
         Tunable("history_publish_interval_s", float, 30.0, "Seconds between published history "
-                "snapshot files (what SQL reads).", min=0.0, min_exclusive=True),
+                "snapshot files (what SQL reads).", min=1.0, max=86400.0),
     ]  # fmt: skip
     return {t.key: t for t in items}
 
@@ -324,7 +464,7 @@ def validate_tunables(changes: Mapping[str, object]) -> tuple[dict[str, object],
     for key, value in changes.items():
         tunable = known.get(key)
         if tunable is None:
-            errors[key] = f"unknown setting {key!r}; valid: {', '.join(known)}"
+            errors[key[:QUOTE_CHARS]] = f"unknown setting {quote(key)}; valid: {', '.join(known)}"
             continue
         try:
             good[key] = tunable.check(value)

@@ -2,23 +2,29 @@
 
 The layers (DESIGN.md §4, which found each one alone insufficient):
 
-1. a DuckDB instance of its own (never the daemon's writer connection), on the file opened
-   ``read_only=True``;
+1. a DuckDB instance of its own per query (never the daemon's writer connection): an in-memory
+   instance that attaches the file ``READ_ONLY`` as ``history``, so that any number of queries
+   run at once, each with its own limits (one instance per file, as before, shared DuckDB's
+   instance cache: a second query's connect hit the first one's locked configuration and
+   failed, issue #32);
 2. configuration set at connect time: external access off (no files, no network, no
    INSTALL/LOAD), extension autoload/autoinstall off, Python replacement scans off, no spilling
    to a temp directory, ``max_execution_time``, ``memory_limit``, few threads, no progress
    bars, and then ``lock_configuration`` so no statement can undo any of it;
 3. exactly one statement, of type SELECT, by DuckDB's own parser (a data-modifying CTE parses as
-   SELECT: layer 1 refuses it);
+   SELECT: layer 1 refuses it), naming none of the functions that read the server's settings,
+   paths or environment (``INTROSPECTION``: ``duckdb_settings()``, ``duckdb_databases()``,
+   ``current_setting()``, ``query()`` ...; by DuckDB's tokenizer);
 4. rows capped with ``fetchmany(max_rows + 1)``, a timer that interrupts the connection as a
    second guard on the time limit.
 
 Every refusal raises ``SqlRefused`` whose ``rule`` says which layer refused and whose message is
-one line a user can act on.
+one line a user can act on; a filesystem path in DuckDB's error text is replaced by ``<path>``.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -48,6 +54,7 @@ RULES: Final[dict[str, str]] = {
     "select-only": "only SELECT queries are allowed",
     "read-only": "the history is read-only",
     "external-access": "no file, network or extension access",
+    "introspection": "no function that reads the server's settings, paths or environment",
     "locked-configuration": "settings cannot be changed",
     "time-limit": "the query ran past its time limit",
     "memory-limit": "the query needed more memory than its limit",
@@ -63,10 +70,47 @@ class QueryResult:
     elapsed_ms: float
 
 
+# DuckDB's own catalog functions that are safe to read (the schema); every other duckdb_* one
+# and these names are refused: they show paths (duckdb_databases, duckdb_settings'
+# secret_directory, duckdb_extensions' install paths, duckdb_temporary_files), settings or
+# secrets, or run a query given as a string (query, query_table) past the check above
+SAFE_CATALOG_FUNCTIONS: Final = frozenset(
+    {
+        "duckdb_columns", "duckdb_constraints", "duckdb_functions", "duckdb_indexes",
+        "duckdb_keywords", "duckdb_schemas", "duckdb_tables", "duckdb_types", "duckdb_views",
+        "duckdb_sequences", "duckdb_dependencies",
+    }
+)  # fmt: skip
+INTROSPECTION: Final = frozenset(
+    {
+        "current_setting", "getenv", "getvariable", "which_secret", "query", "query_table",
+        "pragma_database_list", "pragma_database_size", "pragma_metadata_info",
+        "pragma_storage_info", "pragma_user_agent", "pragma_platform", "parse_filename",
+    }
+)  # fmt: skip
+ATTACH_AS: Final = "history"
+_PATH = re.compile(r"(?<![\w.:/])(?:~|\.{1,2})?(?:/[^\s'\"`/,;()]+)+/?")
+
+
+def scrub_paths(text: str, *paths: str | Path) -> str:
+    """``text`` with every filesystem path (the given ones first, then anything that looks like
+    an absolute path) replaced by ``<path>``.
+
+    >>> scrub_paths('Cannot open "/root/.duckdb/stored_secrets": denied')
+    'Cannot open "<path>": denied'
+    >>> scrub_paths("Binder Error: column a/b not found, 1 / 2, tcp://h:1")
+    'Binder Error: column a/b not found, 1 / 2, tcp://h:1'
+    """
+    for path in sorted({str(p) for p in paths if str(p) not in ("", "/", ".")}, key=len)[::-1]:
+        text = text.replace(path, "<path>")
+    return _PATH.sub("<path>", text)
+
+
 def lockdown_config(*, timeout_s: float, memory_limit: str) -> dict[str, str | bool | int | float]:
-    """The connect-time configuration of a user-query instance (locked by SESSION_SETTINGS)."""
+    """The connect-time configuration of a user-query instance (locked by SESSION_SETTINGS;
+    external access is turned off once the history file is attached: ``open_locked``)."""
     return {
-        "enable_external_access": False,
+        "allow_persistent_secrets": False,
         "autoload_known_extensions": False,
         "autoinstall_known_extensions": False,
         "python_enable_replacements": False,
@@ -116,14 +160,36 @@ def _classify(exc: duckdb.Error, timeout_s: float, memory_limit: str) -> SqlRefu
     return SqlRefused("query-error", line)
 
 
+def check_names(sql: str) -> None:
+    """No function that reads the server's settings, paths or environment (``INTROSPECTION``,
+    ``duckdb_*`` outside ``SAFE_CATALOG_FUNCTIONS``), by DuckDB's tokenizer: a name quoted or
+    qualified (``"duckdb_settings"``, ``main.duckdb_settings``) is the same name."""
+    try:
+        tokens = duckdb.tokenize(sql)
+    except duckdb.Error as exc:
+        raise SqlRefused("syntax", _first_line(exc)) from None
+    ends = [start for start, _ in tokens[1:]] + [len(sql)]
+    for (start, kind), end in zip(tokens, ends, strict=True):
+        if kind != duckdb.token_type.identifier:
+            continue
+        name = sql[start:end].strip().strip('"').lower()
+        if name in INTROSPECTION or (
+            name.startswith("duckdb_") and name not in SAFE_CATALOG_FUNCTIONS
+        ):
+            raise SqlRefused(
+                "introspection",
+                f"refused: {name[:64]} reads the server's settings, paths or environment",
+            )
+
+
 def check_statement(conn: duckdb.DuckDBPyConnection, sql: str) -> None:
-    """Exactly one statement, and a SELECT, by DuckDB's parser."""
+    """Exactly one statement, and a SELECT, by DuckDB's parser; no introspection function."""
     if not sql.strip():
         raise SqlRefused("syntax", "empty query")
     try:
         statements = conn.extract_statements(sql)
     except duckdb.Error as exc:
-        raise SqlRefused("syntax", _first_line(exc)) from None
+        raise SqlRefused("syntax", scrub_paths(_first_line(exc))) from None
     if len(statements) != 1:
         raise SqlRefused(
             "one-statement", f"refused: exactly one statement per query, got {len(statements)}"
@@ -132,27 +198,32 @@ def check_statement(conn: duckdb.DuckDBPyConnection, sql: str) -> None:
     if kind not in ALLOWED_STATEMENTS:
         name = getattr(kind, "name", str(kind))
         raise SqlRefused("select-only", f"refused: only SELECT queries are allowed, got {name}")
+    check_names(sql)
 
 
 def open_locked(db_path: Path, *, timeout_s: float, memory_limit: str) -> duckdb.DuckDBPyConnection:
-    """A read-only, locked-down DuckDB instance on ``db_path`` (HistoryError if unopenable)."""
+    """A locked-down in-memory DuckDB instance with ``db_path`` attached read-only as
+    ``history`` (and in use): one per query, so queries never share a configuration.
+    HistoryError if the file cannot be opened (its message names the file: for the CLI, not for
+    the HTTP API)."""
     db_path = Path(db_path)
     if not db_path.is_file():
         raise HistoryError(f"no history file at {db_path}")
+    config = lockdown_config(timeout_s=timeout_s, memory_limit=memory_limit)
+    conn = duckdb.connect(":memory:", config=config)  # type: ignore[arg-type]
     try:
-        conn = duckdb.connect(
-            str(db_path),
-            read_only=True,
-            config=lockdown_config(timeout_s=timeout_s, memory_limit=memory_limit),  # type: ignore[arg-type]
-        )
-    except duckdb.Error as exc:
-        line = _first_line(exc)
-        if "lock" in line.lower() or "different configuration" in line.lower():
-            raise HistoryError(
-                f"{db_path} is held by another process (a running daemon?): {line}"
-            ) from None
-        raise HistoryError(f"cannot open {db_path} read-only: {line}") from None
-    try:
+        literal = str(db_path).replace("'", "''")
+        try:
+            conn.execute(f"ATTACH '{literal}' AS {ATTACH_AS} (READ_ONLY)")
+        except duckdb.Error as exc:
+            line = _first_line(exc)
+            if "lock" in line.lower():
+                raise HistoryError(
+                    f"{db_path} is held by another process (a running daemon?): {line}"
+                ) from None
+            raise HistoryError(f"cannot open {db_path} read-only: {line}") from None
+        conn.execute(f"USE {ATTACH_AS}")
+        conn.execute("SET enable_external_access = false")  # after the attach, never back
         for statement in SESSION_SETTINGS:
             conn.execute(statement)
     except BaseException:
@@ -186,7 +257,8 @@ def run_readonly_query(
             columns = [str(d[0]) for d in cursor.description or ()]
             rows = cursor.fetchmany(max_rows + 1)
         except duckdb.Error as exc:
-            raise _classify(exc, timeout_s, memory_limit) from None
+            refused = _classify(exc, timeout_s, memory_limit)
+            raise SqlRefused(refused.rule, scrub_paths(str(refused), db_path)) from None
     finally:
         timer.cancel()
         conn.close()

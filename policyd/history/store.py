@@ -34,7 +34,9 @@ from policyd.history.revisions import HistoryError, _open_error, migrate
 from policyd.history.sampling import AdaptiveRate
 from policyd.history.schema import ARROW_SCHEMAS, TABLES, check_rows
 from policyd.history.snapshot import copy_database
+from policyd.ratelog import RateLimitedLog, quote
 from policyd.types import EventBatch
+from policyd.validate import Validator
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -190,6 +192,8 @@ class History:
         self._queued_rows = 0
         self._rows_dropped = 0
         self._rows_rejected = 0
+        self._validator = Validator()  # out-of-range events are left out of the rows
+        self._ratelog = RateLimitedLog(log)
         self._rows_written = dict.fromkeys(TABLES, 0)
         self._request_updates_unmatched = 0
         self._last_flush_ts: float | None = None
@@ -302,7 +306,9 @@ class History:
         The queue's bound counts what a batch holds until the writer fans it out - every event
         and hash, whatever the sample rate - so memory stays bounded however low the rate goes.
         A batch past the bound is cut to its request-level events, whose rows still go in while
-        they fit; the rows its block events would have made are dropped and counted."""
+        they fit; the rows its block events would have made are dropped and counted. Events out
+        of their schema's ranges (``policyd.validate``) are left out first, counted."""
+        batch = self._validator.clean(batch)
         with self._lock:
             budget, share = self.config.cpu_budget, self._cpu_share
             rate = self._rate.update(
@@ -378,6 +384,7 @@ class History:
             "block_sample_rate_max": rate_max,
             "block_sample_rate_changes": changes,
             "rows_rejected": self._rows_rejected,
+            "events_invalid": self._validator.total,
             "request_updates_unmatched": self._request_updates_unmatched,
             "queue_rows": queued,
             "flushes": self._flushes,
@@ -478,7 +485,9 @@ class History:
     def _reject(self, n: int, what: str, exc: Exception) -> None:
         self._rows_rejected += n
         self._last_error = f"{what}: {type(exc).__name__}: {exc}"
-        log.warning("history: rejected %d rows (%s)", n, self._last_error)
+        self._ratelog.warning(
+            "rejected", "history: rejected %d rows (%s)", n, quote(self._last_error, 300)
+        )
 
     def _write_pending(self) -> None:
         pending, estimate = self._pending, self._pending_estimate
