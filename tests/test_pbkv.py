@@ -117,17 +117,24 @@ def test_agent_mass_is_bounded_by_the_discounted_horizon(discount, workflows):
     assert 0.0 <= total <= sum(discount**i for i in range(forecast.k)) + 1e-9
 
 
-def test_pbkv_beats_lru_past_the_knee_on_code_writing():
-    """The policy does what it is for: at a contended point of the dynamic workload it hits
-    more than LRU and no more than the oracle (a small run: 60 workflows, 16 at once)."""
+def test_pbkv_ranks_better_than_lru_past_the_knee_when_its_order_is_applied_whole():
+    """The ranking does what it is for: at a contended point of the dynamic workload, with every
+    block ranked and each plan applied at once, it hits more than LRU and no more than the oracle
+    (a small run: 60 workflows, 16 at once). On the serving path's budget (64 operations per
+    lookup, 2,048 ranked blocks) that gain does not get through: there it may not fall more than
+    1% behind LRU (docs/RESULTS.md, *One decision path*)."""
     workload = make_workload("code-writing", seed=3, workflows=60)
-    config = SimConfig(concurrency=16, gpu_blocks=12_000, host_blocks=0)
-    lru = simulate(workload, "lru", config)
-    pbkv = simulate(workload, "pbkv", config)
-    belady = simulate(workload, "belady", config)
+    whole = SimConfig(
+        concurrency=16, gpu_blocks=12_000, host_blocks=0, step_ops=None, max_ranked_blocks=12_000
+    )
+    lru = simulate(workload, "lru", whole)
+    pbkv = simulate(workload, "pbkv", whole)
+    belady = simulate(workload, "belady", whole)
     assert lru.gpu_evicted_blocks > 0
-    assert pbkv.hit_rate > lru.hit_rate
+    assert pbkv.hit_rate > 1.2 * lru.hit_rate
     assert pbkv.hit_rate <= belady.hit_rate + 0.02
+    served = SimConfig(concurrency=16, gpu_blocks=12_000, host_blocks=0)
+    assert simulate(workload, "pbkv", served).hit_rate >= 0.99 * lru.hit_rate
 
 
 def test_the_predictors_branching_floor_is_a_policy_parameter() -> None:
