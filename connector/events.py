@@ -1,4 +1,4 @@
-"""Turning what the connector sees inside vLLM into AgentKV events (DESIGN.md §6).
+"""Turning what the connector sees inside vLLM into AgentKV events.
 
 vLLM names a block by a 32-byte sha256 digest chained over its parent and its tokens (an offload
 key appends a 4-byte KV-group index); on the wire AgentKV keeps the first 8 bytes, big-endian,

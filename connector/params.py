@@ -1,4 +1,4 @@
-"""What a request tells AgentKV through vLLM's ``kv_transfer_params`` (DESIGN.md §3, §6).
+"""What a request tells AgentKV through vLLM's ``kv_transfer_params``.
 
 Clients name the workflow and the agent of every call; the connector reads them once, when vLLM
 first sees the request. Unknown or malformed fields never fail a request: a request without a

@@ -5,7 +5,7 @@ everything here is plain Python over injected parts (an event sink with ``send_m
 source, a clock), so the same code runs in unit tests with a real ``DaemonClient`` on loopback.
 
 Nothing here may fail a request: ``Guard`` wraps every call the adapter makes from inside vLLM,
-counts what it caught and logs it at most once per interval (STYLE.md rule 6).
+counts what it caught and logs it at most once per interval.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A tiny randomly initialised Llama and a word-level tokenizer, written to a local folder.
 
 The engine tests and the replay need a real model that vLLM loads on 2 CPU cores in seconds and
-no hub (DESIGN.md §4): 2 layers, hidden size 64, one attention head of dimension 64, a vocabulary
+no hub: 2 layers, hidden size 64, one attention head of dimension 64, a vocabulary
 of ``vocab_words`` words ``w0 w1 ...`` (so ``" ".join`` of words is a prompt of known length).
 Runs in the vLLM venv (transformers, tokenizers, torch); the weights are seeded, so two builds
 are byte-identical.

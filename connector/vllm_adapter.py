@@ -10,7 +10,7 @@ Load it with::
 What each piece adds to vLLM's own ``OffloadingConnector`` (whose scheduling of loads and stores
 it keeps unchanged):
 
-* ``AgentKVConnector`` - streams the events of DESIGN.md §6 to the daemon (request started with
+* ``AgentKVConnector`` - streams AgentKV's events to the daemon (request started with
   the workflow / agent read from ``kv_transfer_params``, prefix hit per tier, request and
   workflow finished) through the non-blocking ``DaemonClient``, and applies the snapshot on the
   GPU tier through the bound block pool: score-based pinning (``touch``, capped) and lifecycle

@@ -14,7 +14,7 @@ from sqlalchemy import Connection, create_engine
 
 class AlembicDuckDBImpl(DefaultImpl):
     """Alembic has no DuckDB dialect of its own; DuckDB speaks enough PostgreSQL DDL that the
-    default implementation works (DESIGN.md §4: without this class Alembic refuses the dialect)."""
+    default implementation works (without this class Alembic refuses the dialect)."""
 
     __dialect__ = "duckdb"
     transactional_ddl = True

@@ -1,4 +1,4 @@
-"""The non-blocking daemon client a connector embeds (DESIGN.md §3, §6; STYLE.md rule 6).
+"""The non-blocking daemon client a connector embeds.
 
 ``DaemonClient.send`` appends to a bounded in-memory queue and returns at once: it never blocks
 and never raises, whatever the daemon does. A sender thread drains the queue into sequenced

@@ -1,9 +1,9 @@
-"""The wire between connectors and the daemon (DESIGN.md §6): endpoints and framing.
+"""The wire between connectors and the daemon: endpoints and framing.
 
 Events travel connector -> daemon over ZeroMQ PUSH/PULL: the daemon *binds* a PULL socket on
 ``events_endpoint`` and every connector *connects* a PUSH socket to it. Each message is one frame,
 ``BATCH_CODEC.encode(EventBatch(...))``; batching (up to ``MAX_EVENTS_PER_BATCH`` events) is what
-makes the transport fast (DESIGN.md §4: ~1M events/s with batches of 256 on loopback).
+makes the transport fast (~1M events/s with batches of 256 on loopback).
 
 Policy snapshots travel daemon -> connector over PUB/SUB: the daemon *binds* a PUB socket on
 ``snapshot_endpoint`` and publishes two-frame messages ``[SNAPSHOT_TOPIC,

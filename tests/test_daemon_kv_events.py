@@ -1,6 +1,6 @@
-"""vLLM's native KV event stream (DESIGN.md §4, vLLM 0.32) into the daemon: frames published
+"""vLLM's native KV event stream (vLLM 0.32) into the daemon: frames published
 with real pyzmq + msgpack exactly as vLLM sends them - ``[topic, 8-byte big-endian seq,
-msgpack [ts, [events], dp_rank]]`` - with events as maps tagged by ``"type"`` (DESIGN.md) and in
+msgpack [ts, [events], dp_rank]]`` - with events as maps tagged by ``"type"`` and in
 vLLM's array_like form; a sequence gap is recovered from a ROUTER replay endpoint."""
 
 from __future__ import annotations

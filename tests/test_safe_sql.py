@@ -139,7 +139,7 @@ def test_attack_is_refused_with_its_rule(untouched: Path, sql: str, rule: str) -
 
 
 # What the statement check refuses must also fail in the locked instance alone (defence in depth:
-# DESIGN.md §4 found the check alone insufficient).
+# the check alone was found insufficient).
 LOCKDOWN_ONLY = [
     f"COPY requests TO '{OUTSIDE}.csv'",
     f"EXPORT DATABASE '{OUTSIDE}'",

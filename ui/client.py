@@ -4,7 +4,7 @@ Every call has a short timeout, and every failure becomes one of a few typed err
 (``DaemonUnreachableError``, ``DaemonTimeoutError``, ``DaemonRejectedError``,
 ``DaemonFailedError``, all ``ApiError``) whose message a page shows as a banner: the dashboard
 never shows a traceback because the daemon is down, slow or refuses a request. The DuckDB history
-belongs to the daemon (DESIGN.md §4), so there is no database access here, only HTTP.
+belongs to the daemon, so there is no database access here, only HTTP.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from typing import Any, Final
 import numpy as np
 import pandas as pd  # type: ignore[import-untyped]
 
-DEFAULT_BLOCK_TOKENS: Final = 16  # vLLM's default block size (DESIGN.md §5)
+DEFAULT_BLOCK_TOKENS: Final = 16  # vLLM's default block size
 GIB: Final = 1024**3
 
 Json = Mapping[str, Any]

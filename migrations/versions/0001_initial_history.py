@@ -5,7 +5,7 @@ Revision ID: 0001
 Revises:
 Create Date: 2026-11-30
 
-Written by hand (DESIGN.md §4: autogenerate does not work on duckdb-engine). Every table has
+Written by hand (autogenerate does not work on duckdb-engine). Every table has
 ``ts DOUBLE`` (wall-clock unix seconds) and a surrogate key ``id`` drawn from a sequence: DuckDB
 has no working autoincrement. No index here: revision 0002 adds them.
 """

@@ -1,11 +1,11 @@
-"""vLLM's native KV event stream, translated into our events (DESIGN.md §4, vLLM 0.32).
+"""vLLM's native KV event stream, translated into our events (vLLM 0.32).
 
 vLLM's ZMQ publisher (``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
 "endpoint": ..., "replay_endpoint": ..., "topic": ...}'``) sends three-frame messages
 ``[topic, seq (8 bytes, big-endian), payload]``; the payload is msgpack ``[ts, [events],
 dp_rank]``. An event is a BlockStored / BlockRemoved / AllBlocksCleared record with a ``medium``
-("GPU" or "CPU"). Two encodings of a record are accepted: a map tagged by ``"type"`` (as
-DESIGN.md writes it) and vLLM's own msgspec ``array_like`` form ``["BlockStored", block_hashes,
+("GPU" or "CPU"). Two encodings of a record are accepted: a map tagged by ``"type"`` (the
+documented form) and vLLM's own msgspec ``array_like`` form ``["BlockStored", block_hashes,
 parent_block_hash, token_ids, block_size, lora_id, medium, ...]`` / ``["BlockRemoved",
 block_hashes, medium, ...]`` / ``["AllBlocksCleared", ...]`` (vLLM's
 ``examples/online_serving/kv_events_subscriber.py`` declares them ``array_like=True, tag=True``).

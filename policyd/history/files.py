@@ -1,7 +1,7 @@
 """Where the history lives: the live file, its published snapshot, and which one a reader opens.
 
 DuckDB lets one read-write process *or* many read-only ones open a file, and while the daemon
-holds the live file every other open fails (DESIGN.md §4). Outside readers therefore read the
+holds the live file every other open fails. Outside readers therefore read the
 snapshot the daemon publishes next to it, or the live file itself when no daemon runs.
 """
 

@@ -2,7 +2,7 @@
 
 Alembic is configured in code (no alembic.ini); its scripts live in the repository's
 ``migrations/`` folder, found next to the ``policyd`` package (a checkout or an editable install).
-The engine is ``duckdb:///path`` through duckdb-engine (DESIGN.md §4 pins the set that works).
+The engine is ``duckdb:///path`` through duckdb-engine (the pinned versions are the set that works).
 """
 
 from __future__ import annotations

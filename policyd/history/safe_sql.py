@@ -1,6 +1,6 @@
 """Running a user's SQL over the history without letting it touch anything else.
 
-The layers (DESIGN.md §4, which found each one alone insufficient):
+The layers (each one alone was found insufficient):
 
 1. a DuckDB instance of its own per query (never the daemon's writer connection): an in-memory
    instance that attaches the file ``READ_ONLY`` as ``history``, so that any number of queries

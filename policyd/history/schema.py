@@ -116,7 +116,7 @@ COLUMN_NAMES: Final[dict[str, frozenset[str]]] = {
     table: frozenset(name for name, _ in columns) for table, columns in TABLES.items()
 }
 # a surrogate key per table, assigned by a sequence (DuckDB autoincrement does not work, see
-# DESIGN.md §4); the writer never supplies it
+# duckdb-engine); the writer never supplies it
 KEY_COLUMN: Final = "id"
 
 

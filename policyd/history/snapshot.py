@@ -1,7 +1,7 @@
 """Publishing a snapshot of the live history: a consistent copy any DuckDB client may open.
 
 ``COPY FROM DATABASE`` copies every table, sequence and index of the live database into a file
-ATTACHed on the writer's own connection (safe while writing: DESIGN.md §4 measured ~1.4 s), in
+ATTACHed on the writer's own connection (safe while writing: measured at ~1.4 s), in
 a temporary name next to the target; ``os.replace`` then swaps it in atomically, so a reader sees
 the previous snapshot or the new one, never a partial file. A reader that still has the old
 snapshot open keeps reading the old inode.

@@ -4,7 +4,7 @@ Callers (the daemon's ingest and decision paths) hand rows or event batches to `
 ``record_batch``, which only append to a bounded in-memory queue and never block: beyond
 ``queue_max_rows`` rows are dropped and counted. One writer thread owns the DuckDB connection;
 it drains the queue, groups rows per table and appends them as Arrow tables every
-``flush_interval_s`` (``INSERT INTO t SELECT ... FROM arrow``: DESIGN.md §4 measured ~0.5-0.9M
+``flush_interval_s`` (``INSERT INTO t SELECT ... FROM arrow``: measured at ~0.5-0.9M
 rows/s this way against a few hundred rows/s with executemany). The same thread applies
 retention, publishes snapshots and serves the daemon's own reads, so nothing else ever touches
 the connection.

@@ -36,12 +36,12 @@ class HardwareProfile:
 
 
 # Llama-3.1-8B: 32 layers, 8 KV heads, head_dim 128, bf16 -> 2 (K,V) * 32 * 8 * 128 * 2 B
-# = 131072 B = 128 KiB per token (model card config.json; DESIGN.md sec. 5 uses the same figure).
+# = 131072 B = 128 KiB per token (model card config.json).
 # H200 SXM: 141 GB HBM3e at 4.8 TB/s, 989 TFLOPS dense BF16 (NVIDIA H200 datasheet).
 # Prefill: 2 * 8.0e9 FLOP/token -> 61.8k tokens/s at peak; at 40 % MFU ~ 25k tokens/s.
 # Decode: a step streams the 16 GB of weights: 16e9 / 4.8e12 = 3.3 ms; with attention over long
 # contexts and scheduling overhead vLLM reaches ~8 ms per step at moderate batch (assumed).
-# Host link: PCIe Gen5 x16, 64 GB/s per direction peak; ~50 GB/s achieved (DESIGN.md sec. 5).
+# Host link: PCIe Gen5 x16, 64 GB/s per direction peak; ~50 GB/s achieved.
 # KV space: 141 GB - 16 GB weights - ~10 % activations/graphs at gpu_memory_utilization 0.9
 # -> ~110 GB; we take 100 GiB. Host tier: 256 GiB of a typical 1-2 TB host.
 H200_LLAMA31_8B = HardwareProfile(

@@ -1,4 +1,4 @@
-"""Applying the daemon's newest policy snapshot inside the connector (DESIGN.md §3, §6).
+"""Applying the daemon's newest policy snapshot inside the connector.
 
 A ``PolicySnapshot`` is compiled once into a ``SnapshotView`` (dict and set lookups), so that
 every per-block question vLLM's hot paths ask - score, retired?, staged?, pin? - costs O(1).
@@ -75,7 +75,7 @@ class SnapshotView:
 
 
 def write_allowed(view: SnapshotView | None, new_blocks: int, staged: bool = False) -> bool:
-    """EfficientAgent's write filter, decided once per request (DESIGN.md §2).
+    """EfficientAgent's write filter, decided once per request.
 
     ``new_blocks`` is what the request would add to the host tier. No snapshot: store
     everything (vLLM's default). A request carrying a staged (predicted) block is always stored.

@@ -1,4 +1,4 @@
-"""Engine tests: vLLM 0.32 on the CPU platform with a tiny local Llama (DESIGN.md §4).
+"""Engine tests: vLLM 0.32 on the CPU platform with a tiny local Llama.
 
 They run only where vLLM imports (the ``.venv-vllm`` venv, ``make test`` runs them there); in the
 main venv this folder is not collected. Engines start once per module (45-120 s each on 2 cores):
