@@ -115,14 +115,12 @@ class ConnectorRuntime:
         snapshots: Callable[[], PolicySnapshot | SnapshotView | None],
         *,
         tokens_per_block: int,
-        max_pinned_blocks: int = 0,
         clock: Callable[[], float] = time.monotonic,
         trace: Callable[[dict[str, object]], None] | None = None,
     ) -> None:
         self.sink = sink
         self.snapshots = snapshots
         self.tokens_per_block = tokens_per_block
-        self.max_pinned_blocks = max_pinned_blocks
         self.clock = clock
         self.trace = trace  # one record per request at allocation (kv_connector_extra_config
         # agentkv_trace_path): what the connector saw and decided, for audits and differentials

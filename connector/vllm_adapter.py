@@ -13,8 +13,9 @@ it keeps unchanged):
 * ``AgentKVConnector`` - streams AgentKV's events to the daemon (request started with
   the workflow / agent read from ``kv_transfer_params``, prefix hit per tier, request and
   workflow finished) through the non-blocking ``DaemonClient``, and applies the snapshot on the
-  GPU tier through the bound block pool: score-based pinning (``touch``, capped) and lifecycle
-  eviction of retired workflows' free blocks (dropped and moved to the head of the free queue).
+  GPU tier through the bound block pool with ``policyd.tiers.gpu`` (the simulator's code too):
+  retired workflows' free blocks evicted first, the highest-scored free blocks re-ranked at the
+  free queue's tail, a few pinned; a budget of moves at each prefix lookup.
 * ``AgentKVSpec`` - the out-of-tree offloading spec (``spec_name`` / ``spec_module_path``): its
   manager is vLLM's ``CPUOffloadingManager`` with the write filter in ``prepare_store`` and the
   host-tier events, its eviction order is ``ScoredCachePolicy`` (retired first, by score, LRU),
@@ -538,7 +539,9 @@ class AgentKVConnector(OffloadingConnector):
     ``agentkv_daemon`` (default true; false = no client, plain LRU: vLLM's default policy),
     ``agentkv_events_endpoint`` / ``agentkv_snapshot_endpoint`` (default: policyd.wire, env
     AGENTKV_EVENTS_ENDPOINT / AGENTKV_SNAPSHOT_ENDPOINT), ``agentkv_max_pinned_blocks`` (default
-    5% of the GPU pool), ``agentkv_queue_max_events`` (the client's bounded queue).
+    1% of the GPU pool), ``agentkv_max_ranked_blocks`` (2048), ``agentkv_step_ops`` (64 a
+    lookup), ``agentkv_trace_path`` / ``agentkv_trace_tiers``, ``agentkv_queue_max_events`` (the
+    client's bounded queue); docs/CONNECTOR.md has the table.
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any):
@@ -554,7 +557,7 @@ class AgentKVConnector(OffloadingConnector):
         self._runtime: ConnectorRuntime | None = None
         self._gpu: GpuTier | None = None
         self._block_size = vllm_config.cache_config.block_size
-        self._max_ranked = 0
+        self._max_pinned = self._max_ranked = 0
         self._step_ops = DEFAULT_STEP_OPS
         self._group_ids = list(kv_cache_config.prefix_cacheable_group_ids)
         if role == KVConnectorRole.SCHEDULER:
@@ -563,7 +566,7 @@ class AgentKVConnector(OffloadingConnector):
     def _start(self, extra: dict[str, Any], kv_cache_config: Any) -> None:
         pin, rank = extra.get("agentkv_max_pinned_blocks"), extra.get("agentkv_max_ranked_blocks")
         n_blocks = kv_cache_config.num_blocks
-        max_pinned, self._max_ranked = gpu_caps(
+        self._max_pinned, self._max_ranked = gpu_caps(
             n_blocks, None if pin is None else int(pin), None if rank is None else int(rank)
         )
         self._step_ops = int(extra.get("agentkv_step_ops", DEFAULT_STEP_OPS))
@@ -588,7 +591,6 @@ class AgentKVConnector(OffloadingConnector):
             client if client is not None else _NullSink(),
             _views(client) if client is not None else _no_snapshot,
             tokens_per_block=self._block_size,
-            max_pinned_blocks=max_pinned,
             trace=trace,
         )
         manager = self.scheduler.manager
@@ -599,7 +601,7 @@ class AgentKVConnector(OffloadingConnector):
             "agentkv connector (vLLM %s): daemon %s, GPU blocks pinned <= %d, ranked <= %d",
             VLLM_PIN,
             "on" if client else "off",
-            max_pinned,
+            self._max_pinned,
             self._max_ranked,
         )
 
@@ -637,11 +639,10 @@ class AgentKVConnector(OffloadingConnector):
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         super().bind_gpu_block_pool(gpu_block_pool)
-        rt = self._runtime
         self._gpu = GpuTier(
             gpu_block_pool,
             self._group_ids,
-            max_pinned_blocks=rt.max_pinned_blocks if rt is not None else 0,
+            max_pinned_blocks=self._max_pinned,
             max_ranked_blocks=self._max_ranked,
             budget_ops=self._step_ops,
         )

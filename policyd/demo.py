@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import msgspec
 
 from policyd.client import DaemonClient
@@ -36,7 +35,7 @@ from policyd.policies import make_policy
 from policyd.sim.profiles import get_profile
 from policyd.sim.replay import SimConfig, Simulator, simulate
 from policyd.sim.report import Report
-from policyd.types import Admit, EventBatch, PolicySnapshot
+from policyd.types import EventBatch, PolicySnapshot
 from policyd.wire import Endpoints
 from policyd.workload import Workload
 from policyd.workloads import make_workload
@@ -71,7 +70,6 @@ class RemoteEngine:
         speedup: float,
         policy: str,
         on_pace: Callable[[float], None] | None = None,
-        http: httpx.Client | None = None,
     ) -> None:
         self.client = client
         self.sim_now = sim_now
@@ -82,8 +80,6 @@ class RemoteEngine:
         self.started_wall = time.monotonic()
         self.snapshots_used = 0
         self.snapshots_missing = 0
-        self.http = http
-        self.admit_failures = 0
 
     def apply(self, batch: EventBatch) -> None:
         target = self.started_wall + self.sim_now() / self.speedup
@@ -107,23 +103,6 @@ class RemoteEngine:
     def prefetch(self, budget_blocks: int) -> list[int]:
         snap = self.client.snapshot()
         return list(snap.stage[:budget_blocks]) if snap is not None else []
-
-    def admit(self, request_id: str, block_hashes: Sequence[int]) -> Admit:
-        """Per-request admission (policies with ``sync_admission``): the daemon's synchronous
-        path, ``POST /api/decide/admit``; store everything when it does not answer."""
-        if self.http is not None:
-            try:
-                r = self.http.post(
-                    "/api/decide/admit",
-                    json={"request_id": request_id, "block_hashes": list(block_hashes)},
-                )
-                r.raise_for_status()
-                body = r.json()
-                return Admit(request_id=request_id, block_hashes=tuple(body["admit"]),
-                             declined=tuple(body["declined"]), reason=body["reason"])  # fmt: skip
-            except (httpx.HTTPError, KeyError, ValueError):
-                self.admit_failures += 1
-        return Admit(request_id=request_id, block_hashes=tuple(block_hashes), reason="store all")
 
 
 @dataclass
@@ -205,7 +184,6 @@ def run_demo(
     client = DaemonClient(
         "demo-sim", Endpoints(events=daemon.events_endpoint, snapshots=daemon.snapshots_endpoint)
     )
-    http = httpx.Client(base_url=daemon.http_url, timeout=10.0)
     started = time.monotonic()
     last_report = [started]
 
@@ -223,8 +201,7 @@ def run_demo(
 
     try:
         sim = Simulator(workload, make_policy(policy), config)
-        remote = RemoteEngine(client, lambda: sim.now, speedup=speedup, policy=policy,
-                              on_pace=pace, http=http)  # fmt: skip
+        remote = RemoteEngine(client, lambda: sim.now, speedup=speedup, policy=policy, on_pace=pace)
         sim.engine = remote  # type: ignore[assignment]
         report = sim.run()
         client.flush(10.0)
@@ -242,11 +219,9 @@ def run_demo(
         summary["speedup"] = speedup
     except BaseException:
         client.close(0.5)
-        http.close()
         daemon.stop()
         raise
     client.close(1.0)
-    http.close()
     if keep_serving:
         return DemoRun(summary, daemon)
     daemon.stop()

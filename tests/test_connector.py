@@ -374,7 +374,7 @@ def test_runtime_applies_the_snapshot_and_falls_back_when_stale(
     _, pub, endpoints = peer
     now = [0.0]
     with DaemonClient("t", endpoints, clock=lambda: now[0]) as client:
-        rt = ConnectorRuntime(client, client.snapshot, tokens_per_block=32, max_pinned_blocks=1)
+        rt = ConnectorRuntime(client, client.snapshot, tokens_per_block=32)
         rt.request_started("old", {"workflow_id": "done"}, None, digests(7, 8), 64)
         rt.request_started("new", {"workflow_id": "live"}, None, digests(7, 9, 10, 11), 128)
         s = snap(

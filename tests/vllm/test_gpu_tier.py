@@ -37,7 +37,7 @@ def setup(n_blocks: int = 12) -> tuple[Any, Any, ConnectorRuntime, list[PolicySn
 
     pool = BlockPool(num_gpu_blocks=n_blocks, enable_caching=True, hash_block_size=32)
     current: list[PolicySnapshot | None] = [None]
-    rt = ConnectorRuntime(Sink(), lambda: current[0], tokens_per_block=32, max_pinned_blocks=2)
+    rt = ConnectorRuntime(Sink(), lambda: current[0], tokens_per_block=32)
     tier = GpuTier(pool, [GROUP], max_pinned_blocks=2, max_ranked_blocks=0)
     # blocks 1..8 cached with hashes 1..8; 1..4 belong to "old", 5..8 to "live"; all free
     blocks = pool.get_new_blocks(8)
