@@ -21,9 +21,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -33,8 +30,7 @@ from typing import Any
 import httpx
 import zmq
 
-from policyd.daemon.server import READY_PREFIX
-from policyd.ingest_bench import _daemon_rss_bytes, _pct
+from policyd.ingest_bench import _daemon_rss_bytes, _pct, start_serve
 from policyd.types import (
     BATCH_CODEC,
     BlocksStored,
@@ -67,25 +63,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--max-active-workflows", type=int, default=None)
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-
-
-def _serve(db: Path, policy: str, env: dict[str, str]) -> tuple[subprocess.Popen[str], Any]:
-    cmd = [
-        sys.executable, "-m", "policyd.cli", "serve", "--db", str(db),
-        "--events", "tcp://127.0.0.1:*", "--snapshots", "tcp://127.0.0.1:*",
-        "--http-port", "0", "--policy", policy, "--log-level", "WARNING",
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith(READY_PREFIX):
-            return proc, json.loads(line[len(READY_PREFIX) :])
-    proc.kill()
-    raise RuntimeError(f"`{' '.join(cmd)}` did not report ready (exit code {proc.poll()})")
 
 
 def warm_events(n: int, active: int = 0) -> list[Event]:
@@ -191,7 +168,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, flag) is not None:
             env[var] = str(getattr(args, flag))
     with tempfile.TemporaryDirectory(prefix="policyd-flood-") as tmp:
-        proc, ready = _serve(Path(tmp) / "h.duckdb", args.policy, env)
+        proc, ready = start_serve(Path(tmp) / "h.duckdb", args.policy, env)
         url = ready["http_url"]
         sender = Sender(ready["events"])
         phases = []

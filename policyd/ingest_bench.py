@@ -274,13 +274,19 @@ def _pct(values: Sequence[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _start_serve(db: Path, policy: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+def start_serve(
+    db: Path, policy: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """``policyd serve`` on ephemeral loopback ports (``env`` on top of ours), once it said it
+    is ready: the process and its ready line's fields."""
     cmd = [
         sys.executable, "-m", "policyd.cli", "serve", "--db", str(db),
         "--events", "tcp://127.0.0.1:*", "--snapshots", "tcp://127.0.0.1:*",
         "--http-port", "0", "--policy", policy, "--log-level", "WARNING",
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+    )
     assert proc.stdout is not None
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -376,7 +382,7 @@ def run_bench(
     if db is None:
         tmp = tempfile.TemporaryDirectory(prefix="policyd-bench-")
         db = Path(tmp.name) / "bench.duckdb"
-    proc, ready = _start_serve(db, policy)
+    proc, ready = start_serve(db, policy)
     http_url = ready["http_url"]
     client = httpx.Client(base_url=http_url, timeout=30)
     try:

@@ -32,8 +32,8 @@ from typing import Any, Final
 import httpx
 
 from policyd.daemon.heap import rss_bytes
-from policyd.flood_bench import AGENTS, Sender, _serve
-from policyd.ingest_bench import _daemon_rss_bytes
+from policyd.flood_bench import AGENTS, Sender
+from policyd.ingest_bench import _daemon_rss_bytes, start_serve
 from policyd.types import (
     BATCH_CODEC,
     BlocksRemoved,
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sent: Counter[str] = Counter()
     rss: list[tuple[float, float, float]] = []  # (t, daemon + history MB, daemon MB)
     with tempfile.TemporaryDirectory(prefix="policyd-soak-") as tmp:
-        proc, ready = _serve(Path(tmp) / "h.duckdb", "pbkv", {})
+        proc, ready = start_serve(Path(tmp) / "h.duckdb", "pbkv")
         url = ready["http_url"]
         sender = Sender(ready["events"])
         bad_seq = 0
