@@ -559,7 +559,7 @@ def _caps(args: argparse.Namespace) -> dict[str, int]:
 
 
 def _step_ops(args: argparse.Namespace) -> dict[str, int]:
-    """The plan operations per lookup: ``--step-ops``, else the connector's default."""
+    """The plan operations per scheduler step: ``--step-ops``, else the connector's default."""
     return {"agentkv_step_ops": args.step_ops or DEFAULT_STEP_OPS}
 
 

@@ -16,11 +16,12 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Final, Protocol, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 from connector import events as ev
 from connector.params import RequestTags, parse_request_tags
-from policyd.tiers.view import Ownership, SnapshotView, write_allowed
+from policyd.tiers.host_order import HostOrder
+from policyd.tiers.view import Ownership, Retirement, SnapshotView, write_allowed
 from policyd.types import Event, PolicySnapshot
 
 log = logging.getLogger("agentkv.connector")
@@ -129,7 +130,10 @@ class ConnectorRuntime:
         self.generation = 0  # bumps whenever the applied view changes (new snapshot or stale)
         self._requests: dict[str, _Request] = {}
         self._view: SnapshotView | None = None
-        self._retired: AbstractSet[int] = frozenset()
+        self._retirement = Retirement.settled(frozenset())
+        # the view whose retired set is recounted, and the host tier's order it goes to
+        self.settled_view: SnapshotView | None = None
+        self.host_order: HostOrder[Any] | None = None
 
     # -- events ------------------------------------------------------------------------------
 
@@ -139,19 +143,22 @@ class ConnectorRuntime:
     # -- the snapshot ------------------------------------------------------------------------
 
     def refresh(self) -> SnapshotView | None:
-        """The view to apply now; ``None`` (LRU, store everything) when stale or missing."""
+        """The view to apply now; ``None`` (LRU, store everything) when stale or missing.
+        O(1): a new view's retired list is recounted later, as the GPU plan's first work
+        (``retirement``), and ``settle`` tells the host tier once it is done."""
         snap = self.snapshots()
         current = self._view
         if snap is None:
             if current is not None:
-                self._view, self._retired = None, frozenset()
+                self._view = None
+                self._retirement = Retirement.settled(frozenset())
                 self.generation += 1
                 self.counters.stale_fallbacks += 1
             return None
         if current is None or snap.version != current.version:
             view = snap if isinstance(snap, SnapshotView) else SnapshotView.of(snap)
             self._view = view
-            self._retired = self.ownership.retired_blocks(view.retired_workflows)
+            self._retirement = self.ownership.retire(view.retired_workflows)
             self.generation += 1
             self.counters.snapshots_applied += 1
         return self._view
@@ -161,8 +168,22 @@ class ConnectorRuntime:
         return self._view
 
     @property
+    def retirement(self) -> Retirement:
+        """The current view's retired set and the recount still to do for it."""
+        return self._retirement
+
+    @property
     def retired_blocks(self) -> AbstractSet[int]:
-        return self._retired
+        """The retired blocks now (live; empty without a view)."""
+        return self._retirement.blocks
+
+    def settle(self, view: SnapshotView | None) -> None:
+        """The plan for ``view`` finished its recount: the host tier's order takes the view
+        (O(1); its re-keying is stepped with the plan's budget)."""
+        self.settled_view = view
+        if self.host_order is not None:
+            retired = self._retirement.blocks if view is not None else frozenset()
+            self.host_order.set_view(view, retired)
 
     # -- requests ----------------------------------------------------------------------------
 

@@ -33,8 +33,10 @@ import logging
 import os
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Final
 
 import torch
@@ -66,6 +68,7 @@ from connector.copy_plan import plan_rows
 from connector.events import block_hash_int
 from connector.runtime import ConnectorRuntime, Guard, StepTimes
 from policyd.client import DaemonClient
+from policyd.tiers.budget import StepBudget
 from policyd.tiers.gpu import DEFAULT_STEP_OPS, GpuApplier, gpu_caps
 from policyd.tiers.host_order import HostOrder
 from policyd.tiers.view import SnapshotView
@@ -85,23 +88,15 @@ MAX_DIGESTS: Final = 1 << 20  # wire hash -> vLLM hash, for blocks the snapshot 
 class ScoredCachePolicy(CachePolicy):
     """vLLM's ``CachePolicy`` over ``HostOrder``: retired first, then by score, then LRU.
 
-    The manager points ``runtime`` at the connector's state; until then (and whenever the
-    snapshot is stale) the order is exactly LRU.
+    The connector's runtime sets the order's view when a snapshot's retired set is settled
+    (``ConnectorRuntime.settle``) and its GPU tier performs the re-keying within the step
+    budget; until then (and whenever the snapshot is stale) the order is exactly LRU.
     """
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self.chunks: dict[OffloadKey, ChunkStatus] = {}
         self.order: HostOrder[OffloadKey] = HostOrder(block_hash_int)
-        self.runtime: ConnectorRuntime | None = None
-        self._generation = -1
-
-    def sync(self) -> None:
-        """Adopt the runtime's view if it changed since the last call (O(1) otherwise)."""
-        rt = self.runtime
-        if rt is not None and rt.generation != self._generation:
-            self._generation = rt.generation
-            self.order.set_view(rt.view, rt.retired_blocks)
 
     def get(self, key: OffloadKey) -> ChunkStatus | None:
         return self.chunks.get(key)
@@ -129,7 +124,6 @@ class ScoredCachePolicy(CachePolicy):
     def evict(
         self, n: int, protected: set[OffloadKey]
     ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
-        self.sync()
         keys = self.order.evict(n, protected)
         if keys is None:
             return None
@@ -167,7 +161,7 @@ class AgentKVManager(CPUOffloadingManager):
 
     def attach(self, runtime: ConnectorRuntime) -> None:
         self.runtime = runtime
-        self.scored_policy.runtime = runtime
+        runtime.host_order = self.scored_policy.order
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
@@ -181,7 +175,6 @@ class AgentKVManager(CPUOffloadingManager):
             self.guard.call("declined", lambda: rt.store_declined(len(new)), None)
             # an empty keys_to_store advances vLLM's index: these chunks are declined for good
             return PrepareStoreOutput([], CPULoadStoreSpec([]), [])
-        self.guard.call("sync", self.scored_policy.sync, None)
         out = super().prepare_store(keys, req_context)
         if rt is not None and out is not None and out.evicted_keys:
             evicted = [block_hash_int(k) for k in out.evicted_keys]
@@ -406,6 +399,13 @@ class VllmPool:
         self.pool = pool
         self.group_ids = list(group_ids)
         self.digests: OrderedDict[int, bytes] = OrderedDict()
+        # vLLM 0.32 keys its cache by hash + 4-byte big-endian group id
+        # (``make_block_hash_with_group_id``); reading that dict directly halves a lookup's
+        # cost, the plan's most frequent operation. ``get_cached_block`` when it is not there.
+        self._suffixes = [g.to_bytes(4, "big") for g in self.group_ids]
+        self._cache: dict[bytes, Any] | None = getattr(
+            pool.cached_block_hash_to_block, "_cache", None
+        )
 
     def remember(self, digest: bytes) -> None:
         """Keep the wire hash -> vLLM hash mapping for blocks a snapshot may name."""
@@ -419,8 +419,17 @@ class VllmPool:
         digest = self.digests.get(block)
         if digest is None:
             return None
-        cached: list[KVCacheBlock] | None = self.pool.get_cached_block(digest, self.group_ids)
-        return cached
+        cache = self._cache
+        if cache is None:
+            cached: list[KVCacheBlock] | None = self.pool.get_cached_block(digest, self.group_ids)
+            return cached
+        handle: list[KVCacheBlock] = []
+        for suffix in self._suffixes:
+            found = cache.get(digest + suffix)
+            if found is None:
+                return None
+            handle.append(found if isinstance(found, KVCacheBlock) else next(iter(found.values())))
+        return handle
 
     def is_free(self, handle: list[KVCacheBlock]) -> bool:
         return all(b.ref_cnt == 0 and not b.is_null for b in handle)
@@ -447,10 +456,38 @@ class VllmPool:
         queue.append_n(blocks)
 
 
+class PrefixHit(AbstractSet[int]):
+    """A request's counted prefix hit as wire hashes, for the retire rule's membership test.
+    The digest set is built on the first question (a plan asks only when it has a retired block
+    to move), so a lookup with a long prefix costs nothing otherwise."""
+
+    def __init__(self, pool: VllmPool, digests: Sequence[bytes]) -> None:
+        self._pool = pool
+        self._source = digests
+        self._digests: set[bytes] | None = None
+
+    def _set(self) -> set[bytes]:
+        if self._digests is None:
+            self._digests = {bytes(d) for d in self._source}
+        return self._digests
+
+    def __contains__(self, block: object) -> bool:
+        digest = self._pool.digests.get(block) if isinstance(block, int) else None
+        return digest is not None and digest in self._set()
+
+    def __iter__(self) -> Iterator[int]:
+        return (block_hash_int(d) for d in self._set())
+
+    def __len__(self) -> int:
+        return len(self._set())
+
+
 class GpuTier:
-    """The snapshot's GPU-side decisions on vLLM's live ``BlockPool``: ``policyd.tiers.gpu``'s
-    plan (retire, rank, pin), the same code the simulator runs, at most ``budget_ops`` pool
-    operations at each prefix lookup. Blocks a running request holds are never moved."""
+    """The snapshot's decisions on vLLM's live ``BlockPool``: ``policyd.tiers.gpu``'s plan
+    (recount, retire, rank, pin), the same code the simulator runs, and the host order's
+    re-keying, together at most ``budget_ops`` operations per scheduler step, performed at its
+    prefix lookups (``policyd.tiers.budget.StepBudget``). Blocks a running request holds are
+    never moved."""
 
     def __init__(
         self,
@@ -460,12 +497,13 @@ class GpuTier:
         max_pinned_blocks: int,
         max_ranked_blocks: int,
         budget_ops: int = DEFAULT_STEP_OPS,
+        host: HostOrder[Any] | None = None,
     ) -> None:
         self.pool = VllmPool(pool, group_ids)
         self.applier: GpuApplier[list[KVCacheBlock]] = GpuApplier(
             self.pool, max_pinned_blocks=max_pinned_blocks, max_ranked_blocks=max_ranked_blocks
         )
-        self.budget_ops = budget_ops
+        self.budget = StepBudget(self.applier, host, budget_ops)
         self._applied_generation = 0
 
     @property
@@ -498,23 +536,29 @@ class GpuTier:
                     need += 1
         return self.applier.make_room(need, available)
 
+    def close_step(self) -> None:
+        """A scheduler step ended: the next one gets a whole budget."""
+        self.budget.new_step()
+
     def apply(
         self, rt: ConnectorRuntime, request: Any = None, num_computed_tokens: int = 0
     ) -> list[int]:
-        """At a prefix lookup: adopt the runtime's view if it changed, then perform up to
-        ``budget_ops`` moves of the plan (never retiring the request's counted prefix hit);
-        the blocks the retire rule evicted."""
+        """At a prefix lookup: adopt the runtime's view if it changed, then spend what is left
+        of this scheduler step's budget (never retiring the request's counted prefix hit); the
+        blocks the retire rule evicted."""
         rt.refresh()
         if rt.generation != self._applied_generation:
             self._applied_generation = rt.generation
-            self.applier.adopt(rt.view, rt.retired_blocks)
-        if not self.applier.busy:
+            view = rt.view
+            self.applier.adopt(view, rt.retirement, on_settled=lambda: rt.settle(view))
+            self.budget.adopted()
+        if not self.budget.busy:
             return []
-        hit: frozenset[int] = frozenset()
+        hit: AbstractSet[int] = frozenset()
         if request is not None and num_computed_tokens:
             n = num_computed_tokens // self.pool.pool.hash_block_size
-            hit = frozenset(block_hash_int(bytes(d)) for d in request.block_hashes[:n])
-        evicted = self.applier.step(self.budget_ops, hit)
+            hit = PrefixHit(self.pool, request.block_hashes[:n])
+        evicted = self.budget.run(hit)
         rt.counters.gpu_pinned_blocks = len(self.applier.pinned)
         rt.gpu_removed(evicted)
         return evicted
@@ -539,9 +583,9 @@ class AgentKVConnector(OffloadingConnector):
     ``agentkv_daemon`` (default true; false = no client, plain LRU: vLLM's default policy),
     ``agentkv_events_endpoint`` / ``agentkv_snapshot_endpoint`` (default: policyd.wire, env
     AGENTKV_EVENTS_ENDPOINT / AGENTKV_SNAPSHOT_ENDPOINT), ``agentkv_max_pinned_blocks`` (default
-    1% of the GPU pool), ``agentkv_max_ranked_blocks`` (2048), ``agentkv_step_ops`` (64 a
-    lookup), ``agentkv_trace_path`` / ``agentkv_trace_tiers``, ``agentkv_queue_max_events`` (the
-    client's bounded queue); docs/CONNECTOR.md has the table.
+    1% of the GPU pool), ``agentkv_max_ranked_blocks`` (2048), ``agentkv_step_ops`` (12 a
+    scheduler step), ``agentkv_trace_path`` / ``agentkv_trace_tiers``,
+    ``agentkv_queue_max_events`` (the client's bounded queue); docs/CONNECTOR.md has the table.
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any):
@@ -576,7 +620,10 @@ class AgentKVConnector(OffloadingConnector):
                 f"vllm-{os.getpid()}",
                 _endpoints(extra),
                 queue_max_events=int(extra.get("agentkv_queue_max_events", 65536)),
-                compile_snapshot=SnapshotView.of,  # indexed on the client's thread, not vLLM's
+                # indexed on the client's thread, not vLLM's, with the ranking the plan needs
+                compile_snapshot=partial(
+                    SnapshotView.of, top_blocks=max(self._max_pinned, self._max_ranked)
+                ),
             )
         self._client = client
         trace_path = extra.get("agentkv_trace_path")
@@ -645,6 +692,7 @@ class AgentKVConnector(OffloadingConnector):
             max_pinned_blocks=self._max_pinned,
             max_ranked_blocks=self._max_ranked,
             budget_ops=self._step_ops,
+            host=self._runtime.host_order if self._runtime is not None else None,
         )
 
     def on_new_request(self, request: Any) -> None:
@@ -725,6 +773,8 @@ class AgentKVConnector(OffloadingConnector):
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         self.step_times.close_step()  # once per scheduler step, at its end
+        if self._gpu is not None:
+            self._gpu.close_step()
         return super().build_connector_meta(scheduler_output)
 
     def shutdown(self) -> None:

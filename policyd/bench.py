@@ -33,6 +33,7 @@ from policyd.arguments import int_list
 from policyd.policies import POLICIES
 from policyd.sim.replay import SimConfig, simulate
 from policyd.sim.report import Report
+from policyd.tiers.gpu import DEFAULT_STEP_OPS
 from policyd.traces import load_trace
 from policyd.workload import Workload
 from policyd.workloads import WORKLOADS, make_workload
@@ -121,6 +122,7 @@ class BenchSpec:
     # the connector's GPU caps (None: its defaults, fractions of the pool)
     max_ranked_blocks: int | None = None
     max_pinned_blocks: int | None = None
+    step_ops: int | None = DEFAULT_STEP_OPS  # plan operations per scheduling round (None: all)
 
     def __post_init__(self) -> None:
         if any(not 0.0 <= x <= 1.0 for x in self.noise):
@@ -197,6 +199,7 @@ def run_bench(
                 snapshot_interval_s=spec.snapshot_interval_s,
                 max_ranked_blocks=spec.max_ranked_blocks,
                 max_pinned_blocks=spec.max_pinned_blocks,
+                step_ops=spec.step_ops,
             )
             point: dict[str, Report] = {}
             for policy in policies:

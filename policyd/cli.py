@@ -23,6 +23,7 @@ from policyd.bench import (
 from policyd.policies import POLICIES
 from policyd.sim.profiles import PROFILES
 from policyd.throughput import measure_throughput, render_throughput
+from policyd.tiers.gpu import DEFAULT_STEP_OPS
 from policyd.traces import READERS, load_trace, render_stats, trace_stats
 from policyd.workloads import WORKLOADS, make_workload
 
@@ -118,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
         "default 1%% of the GPU pool)",
     )
     bench.add_argument(
+        "--step-ops",
+        type=_step_ops,
+        default=DEFAULT_STEP_OPS,
+        help="GPU plan operations the connector performs per scheduler step "
+        f"(agentkv_step_ops; default {DEFAULT_STEP_OPS}; 'all': each plan whole when adopted)",
+    )
+    bench.add_argument(
         "--json", metavar="PATH", help="also write the results as JSON ('-' = stdout)"
     )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -157,6 +165,15 @@ def _console() -> Console:
     return console if console.is_terminal else Console(width=200)
 
 
+def _step_ops(text: str) -> int | None:
+    if text == "all":
+        return None
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("--step-ops must be >= 1, or 'all'")
+    return value
+
+
 SWEEP_CONCURRENCY = [1, 2, 4, 8, 16, 32, 64, 128]
 
 
@@ -173,6 +190,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         noise=args.noise,
         max_ranked_blocks=args.max_ranked_blocks,
         max_pinned_blocks=args.max_pinned_blocks,
+        step_ops=args.step_ops,
     )
     console = _console()
     command = reproduce_command(argv)

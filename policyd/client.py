@@ -60,6 +60,7 @@ class DaemonClient:
         # run on the receiving thread, so that a large snapshot is indexed off the caller's path
         self.compile_snapshot = compile_snapshot
         self._compiled: object | None = None
+        self._retired_compiled: object | None = None
         self._lock = threading.Lock()
         self._queue: deque[Event] = deque()
         self._wake = threading.Event()
@@ -299,6 +300,10 @@ class DaemonClient:
                 return
         received = self.clock()
         with self._lock:
+            # the replaced one is kept until the next arrives: the caller's thread, which
+            # adopts the new one, then drops its last reference to the old one cheaply, and
+            # freeing a large index happens here, off the caller's hot path
+            self._retired_compiled = self._compiled
             self._compiled = compiled
             self._snapshot = snap
             self._snapshot_received_s = received

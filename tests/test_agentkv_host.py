@@ -194,6 +194,9 @@ def _simulator(policy: Policy, host_blocks: int) -> Simulator:
     work = make_workload("code-writing", seed=0, workflows=1)
     sim = Simulator(work, policy, SimConfig(gpu_blocks=4096, host_blocks=host_blocks))
     sim._apply_snapshot()
+    while sim.step_budget.busy:  # the host order follows once the plan's recount is done and
+        sim.step_budget.new_step()  # its walk has re-keyed every key, a step budget at a time
+        sim._step_plan(frozenset())
     return sim
 
 

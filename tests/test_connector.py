@@ -172,6 +172,71 @@ def test_the_retired_set_kept_up_to_date_equals_its_definition(
         assert got == expected
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(
+                st.just("record"), st.integers(0, 5), st.lists(st.integers(0, 12), max_size=6)
+            ),
+            st.tuples(st.just("retire"), st.frozensets(st.integers(0, 6)), st.integers(0, 4)),
+            st.tuples(st.just("work"), st.just(0), st.integers(0, 4)),
+        ),
+        max_size=40,
+    )
+)
+def test_a_lazy_recount_interleaved_with_records_ends_at_the_definition(
+    ops: list[tuple[str, object, object]],
+) -> None:
+    """``retire`` recounts lazily while requests are recorded, workflows forgotten and newer
+    lists arrive; whenever the newest recount has run out, and at the end, the retired set is
+    the definition's, and every block that became retired was queued as fresh."""
+    own = Ownership(max_workflows=4)
+    tracked: dict[str, set[int]] = {}
+    retired_now: frozenset[str] = frozenset()
+    work: Iterator[None] = iter(())
+    done = True
+    end = object()
+    fresh_seen: set[int] = set()
+
+    def check() -> None:
+        owners: dict[int, set[str]] = {}
+        for wf, owned in tracked.items():
+            for b in owned:
+                owners.setdefault(b, set()).add(wf)
+        expected = {b for b, ws in owners.items() if ws <= retired_now}
+        assert set(own.dead) == expected
+        fresh_seen.update(own.fresh)
+        own.fresh.clear()
+        assert expected <= fresh_seen  # nothing retired without being queued
+
+    for kind, arg, n in ops:
+        if kind == "record":
+            assert isinstance(n, list)
+            wf = f"w{arg}"
+            own.record(wf, n)
+            tracked.setdefault(wf, set()).update(n)
+            tracked[wf] = tracked.pop(wf)  # most recent last
+            while len(tracked) > 4:
+                del tracked[next(iter(tracked))]
+            continue
+        assert isinstance(n, int)
+        if kind == "retire":
+            assert isinstance(arg, frozenset)
+            retired_now = frozenset(f"w{i}" for i in arg)
+            work = own.retire(retired_now).work
+            done = False
+        for _ in range(n):
+            if next(work, end) is end:
+                done = True
+                break
+        if done:
+            check()
+    for _ in work:
+        pass
+    check()
+
+
 def test_ownership_memory_is_bounded() -> None:
     own = Ownership(max_workflows=3)
     for i in range(10):
@@ -247,11 +312,13 @@ def test_snapshot_order_retired_first_then_score_then_recency() -> None:
         snap(scores=(ScoredBlocks(5.0, (0, 1)), ScoredBlocks(-1.0, (4,))), stage=(2,))
     )
     order.set_view(view, retired=frozenset({5}))
+    order.rekey_all()
     # retired 5; then scored below default 0.0: 4; then unscored by recency 3; then 0,1 (5.0);
     # the staged block 2 goes last
     assert order.peek_order() == [5, 4, 3, 0, 1, 2]
     assert order.evict(2, protected={5}) == [4, 3]
     order.set_view(None)
+    order.rekey_all()
     assert order.peek_order() == [0, 1, 2, 5]  # stale snapshot: plain LRU again
 
 
@@ -261,13 +328,57 @@ def test_a_snapshot_with_its_own_host_order_orders_the_host_tier_by_it() -> None
         order.insert(key, evictable=True)
     gpu = (ScoredBlocks(1.0, (0,)), ScoredBlocks(3.0, (1,)), ScoredBlocks(2.0, (2, 3)))
     order.set_view(SnapshotView.of(snap(scores=gpu)))
+    order.rekey_all()
     assert order.peek_order() == [0, 2, 3, 1]  # no host order given: the GPU's
     host = (ScoredBlocks(5.0, (0,)), ScoredBlocks(-1.0, (1,)))  # 2, 3 unnamed: default 0.0
     view = SnapshotView.of(snap(scores=gpu, host_scores=host))
     assert view.score(0) == 1.0 and view.host_score(0) == 5.0 and view.host_score(2) == 0.0
     order.set_view(view)
+    order.rekey_all()
     assert order.peek_order() == [1, 2, 3, 0]
     assert order.evict(1) == [1]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_a_budgeted_rekey_walk_keeps_evictions_in_priority_order(seed: int) -> None:
+    """Snapshots arrive while inserts, touches, pins and evictions go on, and the re-keying
+    walk advances a few units at a time: every eviction takes the keys with the lowest priority
+    each key has now, and once the walk is done every key has its priority under the newest
+    view (the heap machinery - two heaps, stale entries, the swap, the freed old heap - against
+    the plain definition)."""
+    rng = random.Random(seed)
+    order: HostOrder[int] = HostOrder(lambda k: k)
+    live: set[int] = set()
+    for step in range(300):
+        op = rng.random()
+        if op < 0.35:
+            key = rng.randrange(60)
+            order.insert(key, evictable=rng.random() < 0.9)
+            live.add(key)
+        elif op < 0.5 and live:
+            order.touch(rng.sample(sorted(live), min(len(live), 3)))
+        elif op < 0.6 and live:
+            key = rng.choice(sorted(live))
+            (order.mark_evictable if rng.random() < 0.5 else order.mark_non_evictable)(key)
+        elif op < 0.7:
+            named = rng.sample(range(60), 12)
+            groups = tuple(ScoredBlocks(rng.uniform(-2, 2), (b,)) for b in named)
+            view = SnapshotView.of(snap(scores=groups, stage=(rng.randrange(60),)))
+            order.set_view(view if rng.random() < 0.85 else None, set(rng.sample(range(60), 5)))
+        elif op < 0.85:
+            order.rekey(rng.randint(1, 3))
+        else:
+            n = rng.randint(1, 3)
+            protected = set(rng.sample(range(60), 3))
+            expected = [k for k in order.peek_order() if k not in protected]
+            got = order.evict(n, protected)
+            assert got == (expected[:n] if len(expected) >= n else None), step
+            live -= set(got or ())
+    order.rekey_all()
+    evictable = order.peek_order()
+    assert evictable == sorted(evictable, key=order._priority)
+    assert not order.rekeying
 
 
 def test_evict_is_atomic() -> None:
@@ -386,6 +497,9 @@ def test_runtime_applies_the_snapshot_and_falls_back_when_stale(
         rt.lookup_done("new", gpu_tokens=0, host_tokens=0)  # 4 new blocks > 2: declined
         assert rt.may_store("new") is False
         assert rt.may_store("unknown-request") is True
+        assert rt.retired_blocks == set()  # recounted later, as the GPU plan's first work
+        for _ in rt.retirement.work:
+            pass
         assert rt.retired_blocks == {8}  # 7 is shared with a live workflow
         assert list(select_pins(rt.view, rt.retired_blocks, 1)) == [9]  # capped at one
         generation = rt.generation

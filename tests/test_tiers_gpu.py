@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 
 from policyd.sim.cache import GpuTier, LruQueue
+from policyd.tiers.budget import StepBudget
 from policyd.tiers.gpu import GpuApplier
-from policyd.tiers.view import SnapshotView
+from policyd.tiers.host_order import HostOrder
+from policyd.tiers.view import Ownership, SnapshotView
 from policyd.types import PolicySnapshot, ScoredBlocks
 
 
@@ -27,6 +29,11 @@ def view(scores: dict[int, float], pin: tuple[int, ...] = (), default: float = 0
     snap = PolicySnapshot(
         version=1, ts=0.0, ttl_s=60.0, policy="t", scores=groups, pin=pin, default_score=default
     )
+    return SnapshotView.of(snap)
+
+
+def retiring(*workflows: str) -> SnapshotView:
+    snap = PolicySnapshot(version=1, ts=0.0, ttl_s=60.0, policy="t", retired_workflows=workflows)
     return SnapshotView.of(snap)
 
 
@@ -86,8 +93,8 @@ def test_a_plan_runs_in_budgeted_steps_and_an_unchanged_view_costs_nothing() -> 
         before = applier.counters.ops
         applier.step(3)
         per_step.append(applier.counters.ops - before)
-    # 2 retire, 2 planning (8 ranked blocks looked at, CHUNK 4), 8 rank: at most 3 a step
-    assert per_step == [3, 3, 3, 3, 0]
+    # 2 retire, then 8 rank (the view lists its ranking ready-made): at most 3 a step
+    assert per_step == [3, 3, 3, 1]
     assert order(gpu) == list(range(3, 11))
     ops = applier.counters.ops
     assert applier.step(3) == [] and applier.counters.ops == ops
@@ -127,3 +134,72 @@ def test_a_block_no_longer_retired_when_its_turn_comes_is_kept() -> None:
     retired.discard(2)  # a new request of a live workflow uses block 2
     assert applier.step() == [3]
     assert 2 in gpu
+
+
+def test_a_plan_walks_only_newly_retired_blocks_and_retries_those_a_request_held() -> None:
+    gpu = pool_with_free([1, 2, 3, 4], capacity=4)
+    applier = GpuApplier(gpu)
+    own = Ownership()
+    own.record("done", [1, 2])
+    own.record("live", [3, 4])
+    gpu.acquire([2])  # a running request holds 2
+    applier.adopt(retiring("done"), own.retire(frozenset({"done"})))
+    assert applier.step() == [1]  # 2 is held: kept for the next plan
+    gpu.release([2], 0)
+    applier.adopt(retiring("done"), own.retire(frozenset({"done"})))
+    ops = applier.counters.ops
+    assert applier.step() == [2]  # 1 is not walked again
+    applier.adopt(retiring("done", "live"), own.retire(frozenset({"done", "live"})))
+    assert sorted(applier.step()) == [3, 4]
+    assert applier.counters.ops - ops < 8
+
+
+def test_the_retired_set_is_recounted_under_the_step_budget() -> None:
+    own = Ownership()
+    own.record("done", list(range(100, 140)))  # 40 blocks: 10 recount units of 4
+    gpu = pool_with_free([], capacity=4)
+    applier = GpuApplier(gpu)
+    settled: list[int] = []
+    applier.adopt(
+        retiring("done"), own.retire(frozenset({"done"})), on_settled=lambda: settled.append(1)
+    )
+    applier.step(5)
+    assert not settled and 0 < len(own.dead) < 40  # part of the way, within the budget
+    while applier.busy:
+        applier.step(5)
+    assert settled == [1] and set(own.dead) == set(range(100, 140))
+
+
+def test_one_step_budget_is_shared_by_the_gpu_plan_and_the_host_rekeying() -> None:
+    gpu = pool_with_free(list(range(1, 11)))
+    applier = GpuApplier(gpu, max_ranked_blocks=10)
+    host: HostOrder[int] = HostOrder(int)
+    for key in range(100, 140):  # 40 keys: a walk of 10 units
+        host.insert(key, evictable=True)
+    budget = StepBudget(applier, host, ops_per_step=8)
+    applier.adopt(view({b: float(b) for b in range(1, 11)}), frozenset())
+    host.set_view(view({}))
+    budget.run()
+    assert applier.counters.ops == 4 and budget.left == 0  # half to the walk, then the plan
+    budget.run()
+    assert applier.counters.ops == 4  # nothing left in this step
+    spent = []
+    while budget.busy:
+        budget.new_step()
+        ops = applier.counters.ops
+        budget.run()
+        spent.append(applier.counters.ops - ops)
+    assert spent[:2] == [4, 2] and sum(spent) == 6  # the plan's 10 moves, then the walk alone
+    assert not host.rekeying and applier.counters.ranked_blocks == 10
+
+
+def test_a_step_that_adopts_a_snapshot_does_no_plan_work() -> None:
+    gpu = pool_with_free([1, 2, 3, 4])
+    applier = GpuApplier(gpu, max_ranked_blocks=4)
+    budget = StepBudget(applier, None, ops_per_step=8)
+    applier.adopt(view({1: 1.0, 2: 2.0}), frozenset())
+    budget.adopted()
+    assert budget.run() == [] and applier.counters.ops == 0 and budget.left == 0
+    budget.new_step()
+    budget.run()
+    assert applier.counters.ops == 2 and order(gpu) == [3, 4, 1, 2]

@@ -37,6 +37,7 @@ from policyd.sim.audit import DeclineAudit
 from policyd.sim.cache import GpuTier, HostOrderQueue, HostTier, KeyedQueue, LruQueue, RunningSpace
 from policyd.sim.profiles import HardwareProfile, get_profile
 from policyd.sim.report import Report, RequestRecord
+from policyd.tiers.budget import StepBudget
 from policyd.tiers.gpu import DEFAULT_STEP_OPS, GpuApplier, gpu_caps
 from policyd.tiers.view import Ownership, SnapshotView, write_allowed
 from policyd.types import (
@@ -84,7 +85,7 @@ class SimConfig:
     # None: the connector's defaults, fractions of the GPU pool
     max_pinned_blocks: int | None = None
     max_ranked_blocks: int | None = None
-    step_ops: int | None = DEFAULT_STEP_OPS  # plan operations per lookup (None: a whole plan)
+    step_ops: int | None = DEFAULT_STEP_OPS  # plan operations a scheduling round (None: all)
     offload_prompt_only: bool = True  # vLLM 0.32's default: decode blocks are not offloaded
     record_requests: bool = False
     audit_declines: bool = False  # check declined host writes against Proposition 1 (audit.py)
@@ -169,6 +170,10 @@ class Simulator:
         self.host = HostTier(host_blocks, self._queue("host"), admits=self._oracle_admits("host"))
         pinned, ranked = gpu_caps(gpu_blocks, config.max_pinned_blocks, config.max_ranked_blocks)
         self.gpu_applier = GpuApplier(self.gpu, max_pinned_blocks=pinned, max_ranked_blocks=ranked)
+        host_order = self.host.queue.order if isinstance(self.host.queue, HostOrderQueue) else None
+        # the connector's work per scheduling round: the GPU plan and the host order's re-keying
+        self.step_budget = StepBudget(self.gpu_applier, host_order, config.step_ops)
+        self._round_s = -1.0
         # policies that size decisions by the tiers (write filters) are told their capacities,
         # as the daemon tells them from its settings
         configure = getattr(policy, "configure_tiers", None)
@@ -232,17 +237,25 @@ class Simulator:
         """Apply a snapshot as the connector does: the GPU moves, the host order, and the
         write filter for the lookups that follow."""
         self._snapshot = snap
-        view = self._view = SnapshotView.of(snap)
-        retired = self.ownership.retired_blocks(view.retired_workflows)
-        self.gpu_applier.adopt(view, retired)  # stepped at the lookups that follow
-        if isinstance(self.host.queue, HostOrderQueue):
-            self.host.queue.set_view(view, retired)
+        limit = max(self.gpu_applier.max_pinned_blocks, self.gpu_applier.max_ranked_blocks)
+        view = self._view = SnapshotView.of(snap, top_blocks=limit)
+        retirement = self.ownership.retire(view.retired_workflows)
+        host = self.host.queue
+
+        def settled() -> None:  # the recount is done: the host order takes the view (and is
+            if isinstance(host, HostOrderQueue):  # re-keyed within the step budget)
+                host.set_view(view, retirement.blocks)
+
+        self.gpu_applier.adopt(view, retirement, on_settled=settled)  # stepped at lookups
+        self.step_budget.adopted()
 
     def _step_plan(self, hit: frozenset[int]) -> None:
-        """The connector's work at a prefix lookup: up to ``step_ops`` moves of the plan."""
-        if not self.gpu_applier.busy:
+        """The connector's work at a prefix lookup: what is left of this scheduling round's
+        ``step_ops`` operations (a round, like a vLLM scheduler step, may admit several
+        requests; the budget is the round's)."""
+        if not self.step_budget.busy:
             return
-        evicted = self.gpu_applier.step(self.config.step_ops, hit)
+        evicted = self.step_budget.run(hit)
         if evicted:
             self._events.append(BlocksRemoved(ts=self.now, tier="gpu", block_hashes=tuple(evicted)))
             self.report.gpu_evicted_blocks += len(evicted)
@@ -372,6 +385,9 @@ class Simulator:
 
     def _admit_waiting(self) -> None:
         gpu = self.gpu
+        if self.now != self._round_s:  # a new scheduling round; events at one instant share it
+            self._round_s = self.now
+            self.step_budget.new_step()
         while self._waiting:
             req = self._waiting[0]
             blocks = req.call.block_hashes

@@ -22,38 +22,44 @@ slots without a hash), which the queue does not offer at bounded cost.
 The pool is anything with the ``GpuPool`` interface: ``connector.vllm_adapter.VllmPool`` over
 vLLM's ``BlockPool`` and ``policyd.sim.cache.GpuTier`` implement it, and both run this plan, so
 the simulator credits exactly what the connector applies. A new view builds a plan;
-``step(budget_ops)`` performs at most ``budget_ops`` pool operations of it, so the time vLLM's
-thread spends stays bounded however large the snapshot is (``step(None)``: all of it). Both the
-connector and the simulator step the plan at each prefix lookup, before the request's blocks
-are allocated: the free queue's order matters when something is allocated. With no plan
-pending, ``step`` costs O(1).
+``step(budget_ops)`` performs at most ``budget_ops`` operations of it, so the time vLLM's
+thread spends stays bounded however large the snapshot is (``step(None)``: all of it). The
+plan's first work is the retired set's recount (``Ownership.retire``), a few blocks an
+operation; the retire phase then walks only the blocks retired since the last plan, and the
+ranking comes ready-made in the view (``SnapshotView.top``, built on the client's thread). Both
+the connector and the simulator step the plan at prefix lookups, before the request's blocks
+are allocated (the free queue's order matters when something is allocated), within one budget
+per scheduler step. With no plan pending, ``step`` costs O(1).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from itertools import islice
 from typing import Final, Generic, Protocol, TypeVar
 
-from policyd.tiers.view import SnapshotView, select_pins
+from policyd.tiers.view import Retirement, SnapshotView, select_pins
 
 H = TypeVar("H")
 
 # The connector's default caps (kv_connector_extra_config agentkv_max_pinned_blocks /
 # agentkv_max_ranked_blocks override them; the simulator's SimConfig takes the same two).
-# Pins hold memory, so theirs is a share of the pool. Ranking costs a pool operation per block,
-# so its cap is a count: what the step budget moves within about one snapshot interval
-# (connector.bench_step: ~2 us an operation, 64 a step). Measured on fact-checking, 64 at once,
-# 8,192 GPU blocks: 0 ranked 1.002x LRU's hit rate, 409 1.018x, 2,048 1.093x, all 8,192 1.118x;
-# pins 0-5% of the pool change it by under 1% (docs/RESULTS.md).
+# Pins hold memory, so theirs is a share of the pool; they changed the hit rate by under 1% in
+# every measurement (docs/RESULTS.md). Ranking costs a pool operation per block, so its cap is a
+# count; how much of it lands before the next snapshot is the step budget's business.
 DEFAULT_PIN_FRACTION: Final = 0.01
 DEFAULT_MAX_RANKED_BLOCKS: Final = 2048
-# Plan operations performed at each prefix lookup (just before vLLM allocates for a request,
-# the moment the free queue's order is used): bounded work on vLLM's thread per request
-# (agentkv_step_ops; the simulator's SimConfig.step_ops).
-DEFAULT_STEP_OPS: Final = 64
+# Plan operations per vLLM scheduler step, performed at its prefix lookups (just before vLLM
+# allocates for a request, the moment the free queue's order is used; agentkv_step_ops, the
+# simulator's SimConfig.step_ops, per scheduling round), shared with the host order's re-keying
+# (policyd.tiers.budget). An operation costs about 5 us on vLLM's thread beside a 40,000-block
+# pool and a 65,536-block host tier (connector.bench_step: p99 197-210 us a step at 12, 210-215
+# at 16, 260-310 at 24 and 32: 12 is the most the 200 us budget allows).
+DEFAULT_STEP_OPS: Final = 12
+
+MAX_HELD_RETIRED: Final = 4096  # retired blocks kept for the next plan while a request holds them
 
 NOOP, RETIRE, UNPIN, RANK, PIN = range(5)  # plan operations
 CHUNK: Final = 4  # blocks looked at while planning cost about one move: one operation a CHUNK
@@ -130,37 +136,55 @@ class GpuApplier(Generic[H]):
         self.pinned: dict[int, H] = {}
         self.counters = GpuCounters()
         self._plan: Iterator[tuple[int, int]] | None = None
+        self._held_retired: list[int] = []  # retired blocks a request held when their turn came
 
     @property
     def busy(self) -> bool:
         """A plan is still being applied."""
         return self._plan is not None
 
-    def adopt(self, view: SnapshotView | None, retired: AbstractSet[int]) -> None:
+    def adopt(
+        self,
+        view: SnapshotView | None,
+        retired: Retirement | AbstractSet[int],
+        on_settled: Callable[[], None] | None = None,
+    ) -> None:
         """Plan the moves for a new view (``None``: no fresh snapshot - release every pin).
         O(1): the plan is built as ``step`` performs it. A plan not finished yet is dropped: the
-        new view supersedes it."""
-        self._plan = self._ops(view, retired)
+        new view supersedes it. ``retired``: the ``Ownership.retire`` of the view's retired list
+        (its recount is the plan's first work; ``on_settled`` is called once it is done, so that
+        the host tier's order is re-keyed on a settled set), or a plain set (every block fresh).
+        """
+        if not isinstance(retired, Retirement):
+            retired = Retirement.settled(retired)
+        self._plan = self._ops(view, retired, on_settled)
         self.counters.plans += 1
 
     def _ops(
-        self, view: SnapshotView | None, retired: AbstractSet[int]
+        self,
+        view: SnapshotView | None,
+        retirement: Retirement,
+        on_settled: Callable[[], None] | None,
     ) -> Iterator[tuple[int, int]]:
-        """The plan, lazily: retire, unpin, rank (ascending), pin. Planning yields a ``NOOP``
-        every ``CHUNK`` blocks it looks at, so that its work is budgeted like the moves.
-        ``retired`` may change while the plan runs (a live view): the retire phase works on the
-        blocks retired when it starts."""
-        if view is not None:  # (each still retired when its turn comes)
-            yield from ((RETIRE, b) for b in tuple(retired) if b in retired)
-        limit = max(self.max_pinned_blocks, self.max_ranked_blocks)
-        top: list[int] = []
-        if view is not None and limit > 0:
-            for block in view.ranked(retired):
-                top.append(block)
-                if len(top) >= limit:
-                    break
-                if len(top) % CHUNK == 0:
-                    yield (NOOP, 0)
+        """The plan, lazily: recount, retire, unpin, rank (ascending), pin. Recounting and
+        planning yield a ``NOOP`` per unit of work, so that it is budgeted like the moves. The
+        retire phase walks the blocks retired since the last plan (and those a request held
+        then), each still retired when its turn comes."""
+        if view is not None:
+            for _ in retirement.work:
+                yield (NOOP, 0)
+        if on_settled is not None:
+            on_settled()
+        retired = retirement.blocks
+        if view is not None:
+            retry, self._held_retired = self._held_retired, []
+            fresh = retirement.fresh
+            yield from ((RETIRE, b) for b in retry if b in retired)
+            while fresh:
+                block = fresh.popleft()
+                if block in retired:
+                    yield (RETIRE, block)
+        top = view.top if view is not None else ()
         pins: list[int] = []
         for i, block in enumerate(select_pins(view, retired, self.max_pinned_blocks, then=top)):
             pins.append(block)
@@ -168,7 +192,10 @@ class GpuApplier(Generic[H]):
                 yield (NOOP, 0)
         wanted = set(pins)
         yield from ((UNPIN, b) for b in list(self.pinned) if b not in wanted)
-        yield from ((RANK, b) for b in reversed(top[: self.max_ranked_blocks]) if b not in wanted)
+        for i in range(min(len(top), self.max_ranked_blocks) - 1, -1, -1):  # ascending score
+            block = top[i]  # (indexing, not a slice: dropping a superseded plan stays O(1))
+            if block not in wanted and block not in retired:
+                yield (RANK, block)
         yield from ((PIN, b) for b in pins if b not in self.pinned)
 
     def make_room(self, need_blocks: int, available_blocks: int) -> bool:
@@ -219,8 +246,12 @@ class GpuApplier(Generic[H]):
             if (kind == RETIRE and block in hit) or block in moved:
                 continue  # the request being looked up counts on it; or moved already
             handle = pool.lookup(block)
-            if handle is None or not pool.is_free(handle):
-                continue  # gone, held by a request, or pinned: nothing to move
+            if handle is None:
+                continue  # gone: nothing to move
+            if not pool.is_free(handle):
+                if kind == RETIRE and len(self._held_retired) < MAX_HELD_RETIRED:
+                    self._held_retired.append(block)  # held now: the next plan tries again
+                continue  # held by a request, or pinned
             moved.add(block)
             if kind == RETIRE:
                 evict.append(handle)

@@ -6,8 +6,15 @@ a request's keys are ranked tail first, so its head (the shared prefix) stays lo
 snapshot the priority of a key is ``(retired ? 0 : staged ? 2 : 1, score, recency rank)``, the
 score from the snapshot's host order (``host_scores``) when it gives one, else its ``scores``.
 
-Evictable keys sit in a lazy min-heap keyed by that priority; a new snapshot re-keys the heap in
-one O(n) pass, every other call is O(log n). ``evict`` is atomic: ``None`` and no change when it
+Evictable keys sit in a lazy min-heap keyed by that priority; every call is O(log n) but one:
+a new snapshot changes every key's priority, and re-keying a host tier of 65,536 blocks at once
+takes tens of milliseconds. So ``set_view`` is O(1) and the re-keying is a *walk* over the
+evictable keys, ``REKEY_CHUNK`` keys per unit of work, performed by ``rekey(units)`` within the
+connector's per-step budget (the simulator calls it at the same points). A key the walk has not
+reached keeps its previous priority; one inserted or touched meanwhile gets the new one. Stale
+heap entries (a key re-keyed or touched leaves its old one behind) are dropped by a compaction
+pass of the same kind, which builds a fresh heap beside the live one and swaps it in; the old
+heap is then freed a chunk at a time. ``evict`` is atomic: ``None`` and no change when it
 cannot take exactly ``n`` unprotected keys.
 """
 
@@ -16,7 +23,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
-from typing import Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
 from policyd.tiers.view import SnapshotView
 
@@ -24,6 +31,9 @@ K = TypeVar("K", bound=Hashable)
 Priority = tuple[int, float, int]
 
 RETIRED, NORMAL, STAGED = 0, 1, 2
+REKEY_CHUNK: Final = 2  # keys re-keyed per unit of work (about one GPU move's cost)
+TRASH_CHUNK: Final = 256  # entries of a replaced heap freed per unit of work
+STALE_FACTOR: Final = 3  # a compaction pass starts once the heap holds this many entries a key
 
 
 class HostOrder(Generic[K]):
@@ -32,12 +42,22 @@ class HostOrder(Generic[K]):
     def __init__(self, block_of: Callable[[K], int]) -> None:
         self.block_of = block_of
         self._rank: dict[K, int] = {}
-        self._evictable: set[K] = set()
-        self._prio: dict[K, Priority] = {}
+        self._prio: dict[K, Priority] = {}  # the evictable keys, at their current priority
         self._heap: list[tuple[Priority, K]] = []
         self._next_rank = 0
         self._view: SnapshotView | None = None
         self._retired: AbstractSet[int] = frozenset()
+        # the evictable keys at stable positions, the walk's order (a freed slot is reused)
+        self._slots: list[K | None] = []
+        self._slot_of: dict[K, int] = {}
+        self._free_slots: list[int] = []
+        # the re-keying walk (or compaction: the fresh heap it builds), its next slot, and
+        # whether another walk is owed (a view arrived during one)
+        self._walking = False
+        self._next_heap: list[tuple[Priority, K]] | None = None
+        self._cursor = 0
+        self._owed = False
+        self._trash: list[list[tuple[Priority, K]]] = []  # replaced heaps, freed a chunk a unit
 
     def __len__(self) -> int:
         return len(self._rank)
@@ -51,19 +71,87 @@ class HostOrder(Generic[K]):
 
     @property
     def num_evictable(self) -> int:
-        return len(self._evictable)
+        return len(self._prio)
+
+    @property
+    def rekeying(self) -> bool:
+        """Work is pending: a walk under way or owed, or a replaced heap still to free."""
+        return (
+            self._owed
+            or self._walking
+            or self._next_heap is not None
+            or bool(self._trash)
+            or len(self._heap) > STALE_FACTOR * len(self._prio) + 64
+        )
 
     # -- the snapshot -----------------------------------------------------------------------
 
     def set_view(self, view: SnapshotView | None, retired: AbstractSet[int] = frozenset()) -> None:
-        """Adopt a new snapshot (or none: plain LRU) and re-key every evictable key."""
+        """Adopt a new snapshot (or none: plain LRU); O(1). Keys are re-keyed by ``rekey``:
+        a walk under way finishes under the new view and one more follows."""
         self._view = view
         self._retired = retired if view is not None else frozenset()
-        self._heap = []
-        for key in self._evictable:
-            self._prio[key] = p = self._priority(key)
-            self._heap.append((p, key))
-        heapq.heapify(self._heap)
+        self._owed = True
+
+    def rekey(self, units: int | None = None) -> int:
+        """Perform up to ``units`` units of pending work (all when None); the units used."""
+        used = 0
+        while units is None or used < units:
+            if self._trash:
+                trash = self._trash[-1]
+                del trash[-TRASH_CHUNK:]
+                if not trash:
+                    self._trash.pop()
+            elif self._walking:
+                self._walk_chunk()
+            elif self._next_heap is not None:
+                self._compact_chunk()
+            elif self._owed:
+                self._owed, self._walking, self._cursor = False, True, 0
+                continue  # starting costs nothing
+            elif len(self._heap) > STALE_FACTOR * len(self._prio) + 64:
+                self._next_heap, self._cursor = [], 0
+                continue
+            else:
+                break
+            used += 1
+        return used
+
+    def rekey_all(self) -> None:
+        self.rekey(None)
+
+    def _walk_chunk(self) -> None:
+        """Re-key the next ``REKEY_CHUNK`` slots in place (a key whose priority is unchanged
+        costs no heap entry)."""
+        slots, prio, heap = self._slots, self._prio, self._heap
+        end = min(self._cursor + REKEY_CHUNK, len(slots))
+        for i in range(self._cursor, end):
+            key = slots[i]
+            if key is None:
+                continue
+            p = self._priority(key)
+            if prio[key] != p:
+                prio[key] = p
+                heapq.heappush(heap, (p, key))
+        self._cursor = end
+        if end >= len(slots):
+            self._walking = False
+
+    def _compact_chunk(self) -> None:
+        """Copy the next ``REKEY_CHUNK`` slots' current entries into the fresh heap; at the end
+        it replaces the live one, which is freed a chunk at a time."""
+        nxt = self._next_heap
+        assert nxt is not None
+        slots, prio = self._slots, self._prio
+        end = min(self._cursor + REKEY_CHUNK, len(slots))
+        for i in range(self._cursor, end):
+            key = slots[i]
+            if key is not None:
+                heapq.heappush(nxt, (prio[key], key))
+        self._cursor = end
+        if end >= len(slots):
+            self._trash.append(self._heap)
+            self._heap, self._next_heap = nxt, None
 
     def _priority(self, key: K) -> Priority:
         view = self._view
@@ -81,39 +169,61 @@ class HostOrder(Generic[K]):
     def _push(self, key: K) -> None:
         self._prio[key] = p = self._priority(key)
         heapq.heappush(self._heap, (p, key))
-        if len(self._heap) > max(64, 4 * len(self._evictable)):
-            self._heap = [(self._prio[k], k) for k in self._evictable]
+        nxt = self._next_heap
+        if nxt is not None and self._slot_of[key] < self._cursor:  # compaction has passed it
+            heapq.heappush(nxt, (p, key))
+        elif len(self._heap) > 16 * len(self._prio) + 1024:  # nobody runs ``rekey``: at once
+            self._heap = [(q, k) for k, q in self._prio.items()]
             heapq.heapify(self._heap)
 
     # -- membership -------------------------------------------------------------------------
 
+    def _add_evictable(self, key: K) -> None:
+        if self._free_slots:
+            slot = self._free_slots.pop()
+            self._slots[slot] = key
+        else:
+            slot = len(self._slots)
+            self._slots.append(key)
+        self._slot_of[key] = slot
+        self._push(key)
+
+    def _drop_evictable(self, key: K) -> None:
+        slot = self._slot_of.pop(key, None)
+        if slot is not None:
+            self._slots[slot] = None
+            self._free_slots.append(slot)
+            del self._prio[key]
+
     def insert(self, key: K, evictable: bool = False) -> None:
         self._next_rank += 1
         self._rank[key] = self._next_rank
-        if evictable:
-            self._evictable.add(key)
-            self._push(key)
+        if key in self._slot_of:
+            self._push(key)  # inserted again: its rank, and so its priority, changed
+        elif evictable:
+            self._add_evictable(key)
 
     def remove(self, key: K) -> None:
         self._rank.pop(key, None)
-        self._evictable.discard(key)
-        self._prio.pop(key, None)
+        self._drop_evictable(key)
 
     def clear(self) -> None:
         self._rank.clear()
-        self._evictable.clear()
         self._prio.clear()
-        self._heap.clear()
+        self._heap = []
+        self._slots.clear()
+        self._slot_of.clear()
+        self._free_slots.clear()
+        self._next_heap, self._cursor, self._owed, self._walking = None, 0, False, False
+        self._trash.clear()
         self._next_rank = 0
 
     def mark_evictable(self, key: K) -> None:
-        if key in self._rank and key not in self._evictable:
-            self._evictable.add(key)
-            self._push(key)
+        if key in self._rank and key not in self._slot_of:
+            self._add_evictable(key)
 
     def mark_non_evictable(self, key: K) -> None:
-        self._evictable.discard(key)
-        self._prio.pop(key, None)
+        self._drop_evictable(key)
 
     def touch(self, keys_head_to_tail: Iterable[K]) -> None:
         """A request used these keys: the tail gets the older rank, so it is evicted first."""
@@ -122,14 +232,14 @@ class HostOrder(Generic[K]):
                 continue
             self._next_rank += 1
             self._rank[key] = self._next_rank
-            if key in self._evictable:
+            if key in self._slot_of:
                 self._push(key)
 
     # -- eviction ---------------------------------------------------------------------------
 
     def _current(self, entry: tuple[Priority, K]) -> bool:
         prio, key = entry
-        return key in self._evictable and self._prio.get(key) == prio
+        return self._prio.get(key) == prio
 
     def evict(self, n: int, protected: set[K] | frozenset[K] = frozenset()) -> list[K] | None:
         """Take exactly ``n`` evictable, unprotected keys in priority order, or None (no change)."""
@@ -159,4 +269,4 @@ class HostOrder(Generic[K]):
 
     def peek_order(self) -> list[K]:
         """Every evictable key, first victim first (tests and debugging; O(n log n))."""
-        return [k for _, k in sorted((self._prio[k], k) for k in self._evictable)]
+        return [k for _, k in sorted((p, k) for k, p in self._prio.items())]

@@ -8,7 +8,7 @@ LRU eviction and store-everything.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -16,7 +16,10 @@ from typing import Final
 
 from policyd.types import PolicySnapshot, ScoredBlocks, WriteFilter, score_map
 
+DEFAULT_TOP_BLOCKS: Final = 8192  # ranked blocks a view lists for the GPU plan
 MAX_TRACKED_WORKFLOWS: Final = 4096  # ownership memory: the oldest workflows are forgotten
+MAX_FRESH_RETIRED: Final = 65_536  # newly retired blocks queued for the GPU plan
+RECOUNT_CHUNK: Final = 4  # blocks recounted per unit of a plan's budget (about one move's cost)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,10 +35,13 @@ class SnapshotView:
     write_filter: WriteFilter
     pin: tuple[int, ...]
     stage: frozenset[int]
-    groups: tuple[ScoredBlocks, ...] = ()  # the GPU order's groups, highest score first
+    top: tuple[int, ...] = ()  # the blocks scored above ``default_score``, highest first
 
     @classmethod
-    def of(cls, snap: PolicySnapshot) -> SnapshotView:
+    def of(cls, snap: PolicySnapshot, top_blocks: int = DEFAULT_TOP_BLOCKS) -> SnapshotView:
+        """Index ``snap``; ``top_blocks``: how many of its highest-ranked blocks to list in
+        ``top`` (at least the GPU plan's rank and pin caps). Runs on the connector's client
+        thread, so the GPU plan on vLLM's thread starts from a ready ranking."""
         scores = score_map(snap.scores)
         host_scores = scores if snap.host_scores is None else score_map(snap.host_scores)
         return cls(
@@ -48,30 +54,31 @@ class SnapshotView:
             write_filter=snap.write_filter,
             pin=snap.pin,
             stage=frozenset(snap.stage),
-            groups=tuple(sorted(snap.scores, key=lambda g: -g.score)),
+            top=_top(snap.scores, scores, snap.default_score, top_blocks),
         )
 
     def score(self, block: int) -> float:
         """Lower = evict first; blocks the snapshot does not name get ``default_score``."""
         return self.scores.get(block, self.default_score)
 
-    def ranked(self, excluded: AbstractSet[int] = frozenset()) -> Iterator[int]:
-        """The blocks scored above ``default_score``, highest first (a group's blocks in its
-        order), each once at its own score, none in ``excluded``; lazily, so a caller that
-        stops early pays for what it took (sorting the groups was done in ``of``)."""
-        scores, floor = self.scores, self.default_score
-        seen: set[int] = set()
-        for group in self.groups:
-            if group.score <= floor:
-                return
-            for block in group.block_hashes:
-                if scores[block] == group.score and block not in excluded and block not in seen:
-                    seen.add(block)
-                    yield block
-
     def host_score(self, block: int) -> float:
         """The same for the host tier, in the snapshot's host order when it gives one."""
         return self.host_scores.get(block, self.default_score)
+
+
+def _top(
+    groups: Sequence[ScoredBlocks], scores: Mapping[int, float], floor: float, limit: int
+) -> tuple[int, ...]:
+    """Up to ``limit`` blocks scored above ``floor``, highest first (a group's blocks in its
+    order), each once at its own score."""
+    top: dict[int, None] = {}
+    for group in sorted(groups, key=lambda g: -g.score):
+        if group.score <= floor or len(top) >= limit:
+            break
+        for block in group.block_hashes:
+            if scores[block] == group.score:
+                top[block] = None
+    return tuple(top)[:limit]
 
 
 def write_allowed(view: SnapshotView | None, new_blocks: int, staged: bool = False) -> bool:
@@ -123,13 +130,35 @@ def select_pins(
             return
 
 
+@dataclass(slots=True)
+class Retirement:
+    """A retired set being brought up to date, for the GPU plan to consume lazily.
+
+    ``blocks``: the retired blocks (a live set: it follows later recounts and records).
+    ``work``: the recount still to do, one item per ``RECOUNT_CHUNK`` blocks (the plan performs
+    it first, under its budget). ``fresh``: blocks that became retired and have not been handed
+    to a plan yet (the plan pops them; a block in it may have left ``blocks`` since).
+    """
+
+    blocks: AbstractSet[int]
+    work: Iterator[None]
+    fresh: deque[int]
+
+    @classmethod
+    def settled(cls, blocks: AbstractSet[int]) -> Retirement:
+        """A retired set with nothing to recount, every block fresh (tests, one-off plans)."""
+        return cls(blocks, iter(()), deque(blocks))
+
+
 class Ownership:
     """Which workflows' requests used which blocks, as seen by this connector.
 
     A block is *retired* when every workflow that used it is retired (finished): PBKV's
     lifecycle rule. Memory is bounded by forgetting the oldest workflows first. The retired set
-    is kept up to date as requests are recorded and workflows retire, so a new snapshot costs
-    O(blocks of the workflows it newly retires), not O(every block seen).
+    is kept up to date as requests are recorded and workflows retire; a new retired list is
+    recounted lazily (``retire``), ``RECOUNT_CHUNK`` blocks at a time, so no single call on
+    vLLM's thread pays for a whole workflow's blocks. Blocks that become retired are also
+    queued in ``fresh`` (bounded), so the GPU plan walks only what changed, not the whole set.
     """
 
     def __init__(self, max_workflows: int = MAX_TRACKED_WORKFLOWS) -> None:
@@ -139,6 +168,16 @@ class Ownership:
         self._retired_owners: dict[int, int] = {}  # block -> how many of those are retired
         self._retired_workflows: set[str] = set()
         self._dead: set[int] = set()  # blocks whose every owner is retired
+        self.fresh: deque[int] = deque(maxlen=MAX_FRESH_RETIRED)
+        # the workflow whose blocks are being recounted: (id, its blocks then, done so far, +-1)
+        self._recounting: tuple[str, tuple[int, ...], int, int] | None = None
+        self._epoch = 0  # bumps at each ``retire``: an older recount stops
+        self._listed: AbstractSet[str] = frozenset()  # the newest retired list
+
+    @property
+    def dead(self) -> AbstractSet[int]:
+        """The retired blocks now (a live set)."""
+        return self._dead
 
     def record(self, workflow_id: str, blocks: Iterable[int]) -> None:
         owned = self._blocks.get(workflow_id)
@@ -146,6 +185,8 @@ class Ownership:
             owned = self._blocks[workflow_id] = set()
             while len(self._blocks) > self.max_workflows:
                 self._forget(*self._blocks.popitem(last=False))
+            if workflow_id in self._listed:  # listed before its first request was seen
+                self._retired_workflows.add(workflow_id)
         else:
             self._blocks.move_to_end(workflow_id)
         owners = self._owners
@@ -161,21 +202,40 @@ class Ownership:
     def _settle(self, block: int) -> None:
         n = self._owners.get(block, 0)
         if n and self._retired_owners.get(block, 0) == n:
-            self._dead.add(block)
+            if block not in self._dead:
+                self._dead.add(block)
+                self.fresh.append(block)
         else:
             self._dead.discard(block)
 
     def _count_retired(self, blocks: Iterable[int], step: int) -> None:
-        counts = self._retired_owners
+        """Add ``step`` retired owners to each block and settle it (``_settle``, inlined: the
+        recount's inner loop)."""
+        counts, owners, dead, fresh = self._retired_owners, self._owners, self._dead, self.fresh
         for block in blocks:
             left = counts.get(block, 0) + step
             if left:
                 counts[block] = left
             else:
                 counts.pop(block, None)
-            self._settle(block)
+            n = owners.get(block, 0)
+            if n and left == n:
+                if block not in dead:
+                    dead.add(block)
+                    fresh.append(block)
+            else:
+                dead.discard(block)
+
+    def _finish_recount(self) -> None:
+        """Complete the recount in progress at once (its workflow is being forgotten)."""
+        if self._recounting is not None:
+            _, blocks, done, step = self._recounting
+            self._recounting = None
+            self._count_retired(blocks[done:], step)
 
     def _forget(self, workflow_id: str, blocks: set[int]) -> None:
+        if self._recounting is not None and self._recounting[0] == workflow_id:
+            self._finish_recount()
         if workflow_id in self._retired_workflows:
             self._retired_workflows.discard(workflow_id)
             self._count_retired(blocks, -1)
@@ -191,17 +251,53 @@ class Ownership:
     def workflows(self) -> list[str]:
         return list(self._blocks)
 
-    def retired_blocks(self, retired_workflows: AbstractSet[str]) -> AbstractSet[int]:
-        """Blocks owned only by retired workflows, once ``retired_workflows`` are the retired
-        ones (a snapshot's list). A live view: it follows later ``record`` calls (a block a
-        live workflow uses again leaves it); copy it to iterate while recording."""
+    def retire(self, retired_workflows: AbstractSet[str]) -> Retirement:
+        """Make ``retired_workflows`` (a snapshot's list) the retired ones. The recount happens
+        as the returned ``work`` is consumed, starting with what an earlier recount left
+        unfinished, so the set is never left half-counted however often lists arrive."""
+        self._epoch += 1
+        self._listed = retired_workflows
+        return Retirement(self._dead, self._recount(retired_workflows, self._epoch), self.fresh)
+
+    def _recount(self, retired_workflows: AbstractSet[str], epoch: int) -> Iterator[None]:
+        if self._recounting is not None:  # left unfinished by the previous list
+            workflow_id, blocks, done, step = self._recounting
+            yield from self._recount_blocks(workflow_id, blocks, done, step, epoch)
+            if epoch != self._epoch:
+                return
         tracked = {w for w in retired_workflows if w in self._blocks}
-        for workflow_id in tracked - self._retired_workflows:
-            self._retired_workflows.add(workflow_id)
-            self._count_retired(self._blocks[workflow_id], +1)
-        for workflow_id in self._retired_workflows - tracked:
-            self._retired_workflows.discard(workflow_id)
-            self._count_retired(self._blocks[workflow_id], -1)
+        changes = [(w, +1) for w in tracked - self._retired_workflows]
+        changes += [(w, -1) for w in self._retired_workflows - tracked]
+        yield None
+        for workflow_id, step in changes:
+            if epoch != self._epoch:
+                return  # a newer list superseded this one
+            owned = self._blocks.get(workflow_id)
+            if owned is None or (workflow_id in self._retired_workflows) == (step > 0):
+                continue  # forgotten, or already counted meanwhile
+            if step > 0:
+                self._retired_workflows.add(workflow_id)
+            else:
+                self._retired_workflows.discard(workflow_id)
+            yield from self._recount_blocks(workflow_id, tuple(owned), 0, step, epoch)
+
+    def _recount_blocks(
+        self, workflow_id: str, blocks: tuple[int, ...], start: int, step: int, epoch: int
+    ) -> Iterator[None]:
+        """Count ``blocks[start:]`` of one workflow, a chunk per item. ``_recounting`` always
+        says what is left, so a newer list (or forgetting the workflow) can take over."""
+        for done in range(start, len(blocks), RECOUNT_CHUNK):
+            self._recounting = (workflow_id, blocks, done, step)
+            yield None
+            if epoch != self._epoch or self._recounting is None:
+                return  # a newer list continues it, or it was completed (forgotten)
+            self._recounting = None
+            self._count_retired(blocks[done : done + RECOUNT_CHUNK], step)
+
+    def retired_blocks(self, retired_workflows: AbstractSet[str]) -> AbstractSet[int]:
+        """``retire`` with the whole recount done now; the live retired set."""
+        for _ in self.retire(retired_workflows).work:
+            pass
         return self._dead
 
 

@@ -55,6 +55,17 @@ def setup(n_blocks: int = 12) -> tuple[Any, Any, ConnectorRuntime, list[PolicySn
     return pool, tier, rt, current
 
 
+def run_plan(tier: Any, rt: ConnectorRuntime) -> list[int]:
+    """Prefix lookups, a scheduler step each, until the plan is done (the adopting step does no
+    plan work); the blocks it evicted."""
+    evicted = list(tier.apply(rt))
+    while tier.budget.busy:
+        tier.close_step()
+        evicted += tier.apply(rt)
+    tier.close_step()
+    return evicted
+
+
 def snap(version: int, **kw: Any) -> PolicySnapshot:
     return PolicySnapshot(version=version, ts=0.0, ttl_s=60.0, policy="t", **kw)
 
@@ -63,13 +74,13 @@ def test_pins_are_capped_and_released_when_the_snapshot_goes_stale() -> None:
     pool, tier, rt, current = setup()
     free_before = pool.get_num_free_blocks()
     current[0] = snap(1, pin=(5, 6, 7))
-    tier.apply(rt)
+    run_plan(tier, rt)
     assert sorted(tier.pinned) == [5, 6]  # capped at 2
     assert pool.get_num_free_blocks() == free_before - 2
     assert all(b.ref_cnt == 1 for blocks in tier.pinned.values() for b in blocks)
     assert tier.apply(rt) == [] and sorted(tier.pinned) == [5, 6]  # same view: nothing redone
     current[0] = None  # stale
-    tier.apply(rt)
+    run_plan(tier, rt)
     assert tier.pinned == {}
     assert pool.get_num_free_blocks() == free_before
 
@@ -77,7 +88,7 @@ def test_pins_are_capped_and_released_when_the_snapshot_goes_stale() -> None:
 def test_retired_free_blocks_lose_their_hash_and_are_reused_first() -> None:
     pool, tier, rt, current = setup()
     current[0] = snap(1, retired_workflows=("old",))
-    evicted = tier.apply(rt)
+    evicted = run_plan(tier, rt)
     assert sorted(evicted) == [1, 2, 3, 4]
     for i in (1, 2, 3, 4):
         assert tier.cached(i) == []  # no longer a prefix-cache hit
@@ -91,7 +102,7 @@ def test_held_blocks_are_never_evicted() -> None:
     _, tier, rt, current = setup()
     rt.request_started("r2", {"workflow_id": "gone"}, None, [digest(8)], 32)
     current[0] = snap(1, retired_workflows=("gone", "live"))
-    evicted = tier.apply(rt)
+    evicted = run_plan(tier, rt)
     assert 8 not in evicted  # block 8 is held (ref_cnt 1)
     assert tier.cached(8)
     assert sorted(evicted) == [5, 6, 7]
