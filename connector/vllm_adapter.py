@@ -400,8 +400,8 @@ class VllmPool:
         self.group_ids = list(group_ids)
         self.digests: OrderedDict[int, bytes] = OrderedDict()
         # vLLM 0.32 keys its cache by hash + 4-byte big-endian group id
-        # (``make_block_hash_with_group_id``); reading that dict directly halves a lookup's
-        # cost, the plan's most frequent operation. ``get_cached_block`` when it is not there.
+        # (``make_block_hash_with_group_id``); reading that dict directly saves two calls per
+        # lookup, the plan's most frequent operation. ``get_cached_block`` when it is not there.
         self._suffixes = [g.to_bytes(4, "big") for g in self.group_ids]
         self._cache: dict[bytes, Any] | None = getattr(
             pool.cached_block_hash_to_block, "_cache", None

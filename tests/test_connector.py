@@ -132,6 +132,27 @@ def test_retired_blocks_exclude_blocks_shared_with_live_workflows() -> None:
     assert own.retired_blocks(frozenset({"done", "live"})) == {1, 2, 3, 4}
 
 
+class ReferenceOwnership:
+    """The retired set by its definition, recomputed from scratch: blocks whose every tracked
+    owner (the 4 most recently seen workflows) is retired."""
+
+    def __init__(self) -> None:
+        self.tracked: dict[str, set[int]] = {}  # in ``Ownership``'s order
+
+    def record(self, workflow_id: str, blocks: list[int]) -> None:
+        self.tracked.setdefault(workflow_id, set()).update(blocks)
+        self.tracked[workflow_id] = self.tracked.pop(workflow_id)  # most recent last
+        while len(self.tracked) > 4:
+            del self.tracked[next(iter(self.tracked))]
+
+    def retired(self, retired_workflows: frozenset[str]) -> set[int]:
+        owners: dict[int, set[str]] = {}
+        for wf, owned in self.tracked.items():
+            for b in owned:
+                owners.setdefault(b, set()).add(wf)
+        return {b for b, ws in owners.items() if ws <= retired_workflows}
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(
@@ -150,26 +171,16 @@ def test_the_retired_set_kept_up_to_date_equals_its_definition(
     """Blocks whose every tracked owner is in the last retired list, recomputed from scratch
     after every step, equal what ``Ownership`` keeps incrementally (forgetting included)."""
     own = Ownership(max_workflows=4)
-    tracked: dict[str, set[int]] = {}  # the reference, in ``own``'s order
+    reference = ReferenceOwnership()
     retired_now: frozenset[str] = frozenset()
     for kind, arg, blocks in ops:
         if kind == "record":
-            wf = f"w{arg}"
-            own.record(wf, blocks)
-            tracked.setdefault(wf, set()).update(blocks)
-            tracked[wf] = tracked.pop(wf)  # most recent last
-            while len(tracked) > 4:
-                del tracked[next(iter(tracked))]
+            own.record(f"w{arg}", blocks)
+            reference.record(f"w{arg}", blocks)
         else:
             assert isinstance(arg, frozenset)
             retired_now = frozenset(f"w{i}" for i in arg)
-        got = set(own.retired_blocks(retired_now))
-        owners: dict[int, set[str]] = {}
-        for wf, owned in tracked.items():
-            for b in owned:
-                owners.setdefault(b, set()).add(wf)
-        expected = {b for b, ws in owners.items() if ws <= retired_now}
-        assert got == expected
+        assert set(own.retired_blocks(retired_now)) == reference.retired(retired_now)
 
 
 @settings(max_examples=300, deadline=None)
@@ -192,7 +203,7 @@ def test_a_lazy_recount_interleaved_with_records_ends_at_the_definition(
     lists arrive; whenever the newest recount has run out, and at the end, the retired set is
     the definition's, and every block that became retired was queued as fresh."""
     own = Ownership(max_workflows=4)
-    tracked: dict[str, set[int]] = {}
+    reference = ReferenceOwnership()
     retired_now: frozenset[str] = frozenset()
     work: Iterator[None] = iter(())
     done = True
@@ -200,11 +211,7 @@ def test_a_lazy_recount_interleaved_with_records_ends_at_the_definition(
     fresh_seen: set[int] = set()
 
     def check() -> None:
-        owners: dict[int, set[str]] = {}
-        for wf, owned in tracked.items():
-            for b in owned:
-                owners.setdefault(b, set()).add(wf)
-        expected = {b for b, ws in owners.items() if ws <= retired_now}
+        expected = reference.retired(retired_now)
         assert set(own.dead) == expected
         fresh_seen.update(own.fresh)
         own.fresh.clear()
@@ -213,12 +220,8 @@ def test_a_lazy_recount_interleaved_with_records_ends_at_the_definition(
     for kind, arg, n in ops:
         if kind == "record":
             assert isinstance(n, list)
-            wf = f"w{arg}"
-            own.record(wf, n)
-            tracked.setdefault(wf, set()).update(n)
-            tracked[wf] = tracked.pop(wf)  # most recent last
-            while len(tracked) > 4:
-                del tracked[next(iter(tracked))]
+            own.record(f"w{arg}", n)
+            reference.record(f"w{arg}", n)
             continue
         assert isinstance(n, int)
         if kind == "retire":

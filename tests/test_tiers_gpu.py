@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from policyd.sim.cache import GpuTier, LruQueue
-from policyd.tiers.budget import StepBudget
+from policyd.tiers.budget import ADOPT_COST_OPS, StepBudget
 from policyd.tiers.gpu import GpuApplier
 from policyd.tiers.host_order import HostOrder
 from policyd.tiers.view import Ownership, SnapshotView
@@ -193,13 +193,14 @@ def test_one_step_budget_is_shared_by_the_gpu_plan_and_the_host_rekeying() -> No
     assert not host.rekeying and applier.counters.ranked_blocks == 10
 
 
-def test_a_step_that_adopts_a_snapshot_does_no_plan_work() -> None:
-    gpu = pool_with_free([1, 2, 3, 4])
-    applier = GpuApplier(gpu, max_ranked_blocks=4)
-    budget = StepBudget(applier, None, ops_per_step=8)
-    applier.adopt(view({1: 1.0, 2: 2.0}), frozenset())
+def test_the_step_that_adopts_a_snapshot_pays_for_it_from_its_budget() -> None:
+    gpu = pool_with_free([1, 2, 3, 4, 5, 6])
+    applier = GpuApplier(gpu, max_ranked_blocks=6)
+    budget = StepBudget(applier, None, ops_per_step=ADOPT_COST_OPS + 2)
+    applier.adopt(view({b: float(b) for b in range(1, 7)}), frozenset())
     budget.adopted()
-    assert budget.run() == [] and applier.counters.ops == 0 and budget.left == 0
+    budget.run()
+    assert applier.counters.ops == 2 and budget.left == 0  # the rest went to the adoption
     budget.new_step()
     budget.run()
-    assert applier.counters.ops == 2 and order(gpu) == [3, 4, 1, 2]
+    assert applier.counters.ops == 6 and not budget.busy  # the other 4 moves, the next step

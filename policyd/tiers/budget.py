@@ -5,19 +5,22 @@ A new snapshot leaves two kinds of work on vLLM's scheduler thread: the GPU plan
 (``host_order.HostOrder.rekey``). ``StepBudget`` performs both within ``ops_per_step``
 operations per scheduler step, at the step's prefix lookups: while both have work the host walk
 takes at most half of a step's budget first, then the GPU plan what is left, then the walk
-anything still unused, so neither starves the other. A step that adopts a new snapshot (a view
-refreshed, an old plan dropped, a new one started: 50-150 us on vLLM's thread) does no plan
-work (``adopted``), so that step stays within the budget too. The connector (``GpuTier``) and the
+anything still unused, so neither starves the other. Adopting a new snapshot (a view refreshed,
+an old plan dropped, a new one started, its first work on cold caches: 50-100 us on vLLM's
+thread) is charged
+``ADOPT_COST_OPS`` of the adopting step's budget (``adopted``). The connector (``GpuTier``) and the
 simulator (``Simulator._step_plan``) both run it, at the same points, so they stay in step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import Any, Final
 
 from policyd.tiers.gpu import GpuApplier
 from policyd.tiers.host_order import HostOrder
+
+ADOPT_COST_OPS: Final = 8  # what adopting a snapshot costs, in operations (connector.bench_step)
 
 
 class StepBudget:
@@ -35,7 +38,7 @@ class StepBudget:
         self._adopted = False
 
     def adopted(self) -> None:
-        """A new plan was adopted: the next ``run`` (the adopting step's) does nothing more."""
+        """A new plan was adopted: the next ``run`` (the adopting step's) is charged for it."""
         self._adopted = True
 
     @property
@@ -51,9 +54,8 @@ class StepBudget:
         evicted (``hit``: the prefix hit of the request being looked up, see ``GpuApplier``)."""
         if self._adopted:
             self._adopted = False
-            if self.ops_per_step is not None:
-                self.left = 0
-                return []
+            if self.left is not None:
+                self.left -= ADOPT_COST_OPS
         left, host, applier = self.left, self.host, self.applier
         if left is None:  # no limit: everything now
             everything = applier.step(None, hit)
