@@ -177,6 +177,7 @@ class Run:
     script: dict[int, dict[str, Any]] = field(default_factory=dict)  # request index -> snapshot
     trace: list[dict[str, Any]] = field(default_factory=list)  # the connector's, per request
     step_us: list[float] = field(default_factory=list)  # AgentKV's time per scheduler step
+    step_cpu_us: list[float] = field(default_factory=list)  # the same, its thread's CPU time
 
     @property
     def recomputed_tokens(self) -> int:
@@ -455,16 +456,17 @@ def run_record(r: Run) -> dict[str, Any]:
         "recomputed_tokens": r.recomputed_tokens,
         "output_tokens": r.output_tokens,
         "wall_s": round(r.wall_s, 3),
-        **_step_percentiles(r.step_us),
+        **_step_percentiles(r.step_us, "connector_step"),
+        **_step_percentiles(r.step_cpu_us, "connector_step_cpu"),
     }
 
 
-def _step_percentiles(step_us: Sequence[float]) -> dict[str, float]:
+def _step_percentiles(step_us: Sequence[float], key: str) -> dict[str, float]:
     """AgentKV's added time per scheduler step, p50 and p99 (us), when the run traced it."""
     if len(step_us) < 2:
         return {}
     q = statistics.quantiles(step_us, n=100)
-    return {"connector_step_p50_us": round(q[49], 1), "connector_step_p99_us": round(q[98], 1)}
+    return {f"{key}_p50_us": round(q[49], 1), f"{key}_p99_us": round(q[98], 1)}
 
 
 def table(records: Sequence[dict[str, Any]]) -> str:
@@ -472,22 +474,22 @@ def table(records: Sequence[dict[str, Any]]) -> str:
     base = next((r for r in records if r["run"] == "vllm-default"), records[0])
     lines = [
         f"{'run':<14} {'requests':>8} {'prompt tok':>10} {'hit tok':>9} {'recomputed tok':>14} "
-        f"{'vs default':>10} {'wall s':>7} {'out tok/s':>9} {'step p50/p99 us':>16}",
+        f"{'vs default':>10} {'wall s':>7} {'out tok/s':>9} {'step p50/p99 us':>16} "
+        f"{'cpu p50/p99 us':>15}",
     ]
     for r in records:
         ratio = (
             r["recomputed_tokens"] / base["recomputed_tokens"] if base["recomputed_tokens"] else 0
         )
         rate = r["output_tokens"] / r["wall_s"] if r["wall_s"] else 0.0
-        step = (
-            f"{r['connector_step_p50_us']:.0f}/{r['connector_step_p99_us']:.0f}"
-            if "connector_step_p50_us" in r
-            else "-"
+        step, cpu = (
+            f"{r[f'{key}_p50_us']:.0f}/{r[f'{key}_p99_us']:.0f}" if f"{key}_p50_us" in r else "-"
+            for key in ("connector_step", "connector_step_cpu")
         )
         lines.append(
             f"{r['run']:<14} {r['requests']:>8} {r['prompt_tokens']:>10} {r['hit_tokens']:>9} "
             f"{r['recomputed_tokens']:>14} {ratio:>9.2f}x {r['wall_s']:>7.1f} {rate:>9.1f} "
-            f"{step:>16}"
+            f"{step:>16} {cpu:>15}"
         )
     return "\n".join(lines)
 
@@ -540,6 +542,7 @@ def _in_process(args: argparse.Namespace) -> list[Run]:
                 lines = [json.loads(line) for line in trace_path.read_text().splitlines()]
                 run.trace = [t for t in lines if "step_us" not in t]
                 run.step_us = [x for t in lines for x in t.get("step_us", ())]
+                run.step_cpu_us = [x for t in lines for x in t.get("step_cpu_us", ())]
             runs.append(run)
             print(
                 f"[replay] {name}: {run.requests} requests in {run.wall_s:.1f} s", file=sys.stderr

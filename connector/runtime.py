@@ -41,11 +41,12 @@ class Guard:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.errors: dict[str, int] = {}
-        self.spent_ns = 0  # time inside guarded calls: what AgentKV adds to vLLM's hooks
+        self.spent_ns = 0  # wall time inside guarded calls: what AgentKV adds to vLLM's hooks
+        self.cpu_ns = 0  # the same, in the calling thread's CPU time (no GIL waits, no preemption)
         self._last_log_s: dict[str, float] = {}
 
     def call(self, what: str, fn: Callable[[], T], default: T) -> T:
-        t0 = time.perf_counter_ns()
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         try:
             return fn()
         except Exception as exc:  # never into vLLM: degrade, count, log once per interval
@@ -62,21 +63,25 @@ class Guard:
             return default
         finally:
             self.spent_ns += time.perf_counter_ns() - t0
+            self.cpu_ns += time.thread_time_ns() - c0
 
 
 class StepTimes:
-    """AgentKV's time per vLLM scheduler step (us): what a ``Guard`` spent since the previous
-    step closed. Keeps the newest ``keep`` steps."""
+    """AgentKV's time per vLLM scheduler step (us), wall and CPU: what a ``Guard`` spent since
+    the previous step closed. Keeps the newest ``keep`` steps."""
 
     def __init__(self, guard: Guard, keep: int = 200_000) -> None:
         self.guard = guard
         self.steps_us: deque[float] = deque(maxlen=keep)
+        self.steps_cpu_us: deque[float] = deque(maxlen=keep)
         self._mark_ns = guard.spent_ns
+        self._mark_cpu_ns = guard.cpu_ns
 
     def close_step(self) -> None:
-        spent = self.guard.spent_ns
+        spent, cpu = self.guard.spent_ns, self.guard.cpu_ns
         self.steps_us.append((spent - self._mark_ns) / 1e3)
-        self._mark_ns = spent
+        self.steps_cpu_us.append((cpu - self._mark_cpu_ns) / 1e3)
+        self._mark_ns, self._mark_cpu_ns = spent, cpu
 
 
 @dataclass(slots=True)

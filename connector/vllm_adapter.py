@@ -780,8 +780,11 @@ class AgentKVConnector(OffloadingConnector):
     def shutdown(self) -> None:
         rt = self._runtime
         if rt is not None and rt.trace is not None:
-            steps = list(self.step_times.steps_us)
-            self._guard.call("trace", lambda: rt.trace({"step_us": steps}), None)  # type: ignore[misc]
+            steps: dict[str, object] = {
+                "step_us": list(self.step_times.steps_us),
+                "step_cpu_us": list(self.step_times.steps_cpu_us),
+            }
+            self._guard.call("trace", lambda: rt.trace(steps), None)  # type: ignore[misc]
         if self._gpu is not None:
             self._guard.call("unpin", self._gpu.unpin_all, None)
         if self._client is not None:

@@ -39,12 +39,16 @@ def host_stored(events: list[Event]) -> set[int]:
     }
 
 
-def apply(daemon: StandInDaemon, engine: Engine, **fields: Any) -> None:
+def apply(daemon: StandInDaemon, engine: Engine, warmups: int = 1, **fields: Any) -> None:
     """Publish a snapshot and let the connector take it before the next phase: the client
-    receives it within ~0.1 s and applies it at the next engine step (a warm-up request)."""
+    receives it within ~0.1 s and applies it at the next engine step (a warm-up request). The
+    connector does a bounded amount of the snapshot's work per scheduler step (12 operations,
+    the retired set's recount and the host order's re-keying included): ``warmups`` requests
+    give it the steps to finish."""
     daemon.publish(**fields)
     time.sleep(1.0)
-    engine.generate([PHASES["offload"][0][0]])
+    for _ in range(warmups):
+        engine.generate([PHASES["offload"][0][0]])
 
 
 def run_phase(engine: Engine, name: str) -> list[list[tuple[tuple[int, ...], int]]]:
@@ -115,7 +119,7 @@ def test_retired_workflows_blocks_are_evicted_first(
     g_blocks = set(g_req.block_hashes)
     events = daemon.wait_for(lambda ev: g_blocks <= host_stored(ev))
     assert g_blocks <= host_stored(events)
-    apply(daemon, engine, retired_workflows=("wf-old",))  # the warm-up step applies it on the GPU
+    apply(daemon, engine, warmups=8, retired_workflows=("wf-old",))  # the warm-ups apply it
     mark = len(daemon.events())
     results.append(engine.generate(fill_call))
     assert tokens_of(results) == baseline["retire"]
