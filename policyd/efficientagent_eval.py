@@ -45,11 +45,8 @@ from policyd.policies.efficientagent import EfficientAgent
 from policyd.sim.profiles import get_profile
 from policyd.sim.replay import SimConfig, Simulator
 from policyd.sim.report import Report
+from policyd.traces.location import SWE_TRAJECTORIES, TRACES_ENV, local_trace, missing_trace_message
 from policyd.workload import Workload
-
-SWE_ARCHIVE = (
-    Path(__file__).resolve().parents[2] / "shared" / "traces" / "swebench_minisweagent_200.tar.gz"
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,7 +319,12 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m policyd.efficientagent_eval",
         description="EfficientAgent's host-tier experiment on the SWE-bench trajectories",
     )
-    p.add_argument("--trace", type=Path, default=SWE_ARCHIVE, help="mini-swe-agent trajectories")
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=local_trace(SWE_TRAJECTORIES),
+        help=f"mini-swe-agent trajectories (default: ${TRACES_ENV}/{SWE_TRAJECTORIES})",
+    )
     p.add_argument("--limit", type=int, default=None, help="first N trajectories only")
     p.add_argument("--agents", type=int, default=32, help="concurrent agents in the pool")
     p.add_argument(
@@ -357,6 +359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; valid: {', '.join(VARIANTS)}")
+    if args.trace is None:
+        raise SystemExit(missing_trace_message("--trace", SWE_TRAJECTORIES))
     if not args.trace.exists():
         raise SystemExit(f"no trace at {args.trace}")
     console = Console(stderr=True)

@@ -63,13 +63,10 @@ from policyd.stackdist import (
     monotone_violations,
     stack_distances,
 )
+from policyd.traces.location import SWE_TRAJECTORIES, TRACES_ENV, local_trace, missing_trace_message
 from policyd.traces.swe import read_swe
 from policyd.workload import Call, Workload
 from policyd.workloads.pool import coding_pool
-
-SWE_ARCHIVE = (
-    Path(__file__).resolve().parents[2] / "shared" / "traces" / "swebench_minisweagent_200.tar.gz"
-)
 
 
 def interleave(
@@ -478,7 +475,12 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m policyd.mrc_eval",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
-    parser.add_argument("--traces", type=Path, default=SWE_ARCHIVE, help="SWE-bench trajectories")
+    parser.add_argument(
+        "--traces",
+        type=Path,
+        default=local_trace(SWE_TRAJECTORIES),
+        help=f"SWE-bench trajectories (default: ${TRACES_ENV}/{SWE_TRAJECTORIES})",
+    )
     parser.add_argument("--limit", type=int, default=None, help="read only this many trajectories")
     parser.add_argument(
         "--agents",
@@ -546,7 +548,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=Console(stderr=True), transient=False) as progress:
-        if args.traces.exists():
+        if args.traces is not None and args.traces.exists():
             swe = load_swe(
                 args.traces,
                 limit=args.limit,
@@ -559,7 +561,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 cases.append(evaluate("swe-bench", calls, agents, settings, progress))
         else:
-            console.print(f"[yellow]{args.traces} not found: SWE-bench cases skipped")
+            why = args.traces or missing_trace_message("--traces", SWE_TRAJECTORIES)
+            console.print(f"[yellow]{why} not found: SWE-bench cases skipped")
         pool = coding_pool(seed=args.seed, tasks=args.pool_tasks)
         calls = interleave(
             pool, args.pool_agents, decode_s_per_token=profile.decode_s_per_token, order=args.order

@@ -33,7 +33,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from policyd.predictor import compiled_modules
-from policyd.predictor_eval import TARGET_US, WHOWHEN, WORKLOADS
+from policyd.predictor_eval import TARGET_US, WORKLOADS
+from policyd.traces.location import TRACES_ENV, WHO_AND_WHEN, local_trace
 
 BUILDS = ("interpreted", "compiled")
 
@@ -134,7 +135,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--workflows", type=int, default=1000, help="per generated workload")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each build per workload")
-    parser.add_argument("--whowhen", type=Path, default=WHOWHEN, help="Who&When chats directory")
+    parser.add_argument(
+        "--whowhen",
+        type=Path,
+        default=local_trace(WHO_AND_WHEN),
+        help=f"Who&When chats directory (default: ${TRACES_ENV}/{WHO_AND_WHEN})",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -155,7 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown workloads {unknown}: choose from {', '.join(WORKLOADS)}")
     # the child's own default would look for the traces beside the install
-    options = ["--workflows", str(args.workflows), "--whowhen", str(args.whowhen.resolve())]
+    options = ["--workflows", str(args.workflows)]
+    if args.whowhen is not None:
+        options += ["--whowhen", str(args.whowhen.resolve())]
 
     console = Console(width=max(160, Console().width))
     records: dict[tuple[str, str], list[dict[str, Any]]] = {

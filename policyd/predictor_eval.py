@@ -48,11 +48,11 @@ from rich.table import Table
 
 from policyd.arguments import fraction_list, int_list
 from policyd.predictor import BUILD, END, START, Predictor
+from policyd.traces.location import TRACES_ENV, WHO_AND_WHEN, local_trace, missing_trace_message
 from policyd.traces.whowhen import whowhen_workload
 from policyd.workload import Call, Workload, arrival_order
 from policyd.workloads.pbkv import code_writing, fact_checking, financial
 
-WHOWHEN = Path(__file__).resolve().parents[2] / "shared" / "traces" / "who_and_when_captainagent"
 GENERATORS: dict[str, Callable[..., Workload]] = {
     "fact-checking": fact_checking,
     "code-writing": code_writing,
@@ -284,9 +284,11 @@ def evaluate(
     )
 
 
-def load(name: str, workflows: int, seed: int, whowhen: Path) -> Workload:
+def load(name: str, workflows: int, seed: int, whowhen: Path | None) -> Workload:
     """A generated workload (``workflows`` of them, seeded) or the Who&When chats."""
     if name == "who-and-when":
+        if whowhen is None:
+            raise SystemExit(missing_trace_message("--whowhen", WHO_AND_WHEN))
         return whowhen_workload(whowhen)
     if name not in GENERATORS:
         raise ValueError(f"unknown workload {name!r}: choose from {', '.join(WORKLOADS)}")
@@ -437,7 +439,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--k", type=int, default=3, help="steps forecast")
     parser.add_argument("--noise", type=float, default=0.0, help="fraction of random forecasts")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--whowhen", type=Path, default=WHOWHEN, help="Who&When chats directory")
+    parser.add_argument(
+        "--whowhen",
+        type=Path,
+        default=local_trace(WHO_AND_WHEN),
+        help=f"Who&When chats directory (default: ${TRACES_ENV}/{WHO_AND_WHEN})",
+    )
     parser.add_argument(
         "--refresh",
         type=int_list(1),

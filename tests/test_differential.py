@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 from policyd.sim.cache import RunningSpace
 from policyd.sim.replay import SimConfig, simulate
 from policyd.sim.report import Report
+from policyd.traces.location import MOONCAKE, TRACES_ENV, local_trace
 from policyd.traces.mooncake import SUB_BLOCKS, mooncake_workload, read_mooncake
 from policyd.types import BLOCK_SIZE_TOKENS
 from policyd.workload import ROOT_HASH, Call, chain_hash, sequential
@@ -49,9 +50,7 @@ from tests.reference import (
     max_cached_blocks,
 )
 
-MOONCAKE = (
-    Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake" / "synthetic_trace.jsonl"
-)
+MOONCAKE_TRACE = local_trace(MOONCAKE)  # the public trace, when $AGENTKV_TRACES holds it
 MOONCAKE_CALLS = os.environ.get("POLICYD_TEST_MOONCAKE_CALLS", "210")  # the last ones, or "all"
 MOONCAKE_LARGEST_CALL_BLOCKS = 11_961  # line 3,792: input_length 191,378 tokens
 EXCERPT = Path(__file__).parent / "data" / "mooncake_excerpt.jsonl"
@@ -474,9 +473,9 @@ MOONCAKE_CAPACITIES = (12_000, 36_000, 64_000)
 @pytest.fixture(scope="module")
 def mooncake_trace() -> list[Call]:
     """Every call of the trace (read once: ~4 s)."""
-    if not MOONCAKE.exists():
-        pytest.skip(f"{MOONCAKE} is not here")
-    return list(read_mooncake(MOONCAKE))
+    if MOONCAKE_TRACE is None or not MOONCAKE_TRACE.exists():
+        pytest.skip(f"the Mooncake trace is not here (${TRACES_ENV}/{MOONCAKE})")
+    return list(read_mooncake(MOONCAKE_TRACE))
 
 
 @pytest.fixture(scope="module")

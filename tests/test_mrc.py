@@ -5,7 +5,6 @@ from __future__ import annotations
 import doctest
 import itertools
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,14 +23,13 @@ from policyd.mrc import (
 from policyd.mrc_eval import interleave
 from policyd.shards import DistanceHistogram, Shards
 from policyd.stackdist import ReferenceStream, leading_runs, stack_distances
+from policyd.traces.location import SWE_TRAJECTORIES, TRACES_ENV, local_trace
 from policyd.workload import Call
 from policyd.workloads.pool import coding_pool
 
 Prompts = list[tuple[Sequence[int], int]]
 
-SWE_ARCHIVE = (
-    Path(__file__).resolve().parents[2] / "shared" / "traces" / "swebench_minisweagent_200.tar.gz"
-)
+SWE_ARCHIVE = local_trace(SWE_TRAJECTORIES)  # the public trace, when $AGENTKV_TRACES holds it
 
 prompt_lists = st.lists(st.lists(st.integers(0, 12), max_size=6), max_size=25)
 
@@ -251,13 +249,17 @@ def test_estimator_rejects_bad_parameters():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SWE_ARCHIVE.exists(), reason=f"{SWE_ARCHIVE} not present")
+@pytest.mark.skipif(
+    SWE_ARCHIVE is None or not SWE_ARCHIVE.exists(),
+    reason=f"the SWE-bench trajectories are not here (${TRACES_ENV}/{SWE_TRAJECTORIES})",
+)
 def test_swe_pool_estimate_meets_the_targets():
     """40 real trajectories as a pool of 16: chained (no violation), and the default
     fixed-size estimator within 0.01 MAE and 10% on the 90% capacity."""
     from policyd.stackdist import effective_distances, monotone_violations  # noqa: PLC0415
     from policyd.traces.swe import swe_workload  # noqa: PLC0415
 
+    assert SWE_ARCHIVE is not None
     workload = swe_workload(SWE_ARCHIVE, limit=40, decode_tokens_per_s=125.0)
     calls = interleave(workload, 16, decode_s_per_token=0.008)
     stream = ReferenceStream.from_calls(calls)

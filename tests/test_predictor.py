@@ -11,7 +11,6 @@ import math
 import pickle
 import random
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,12 +35,13 @@ from policyd.predictor import (
 from policyd.predictor import forecast as forecast_module
 from policyd.predictor.backoff import BackoffClassifier
 from policyd.predictor_eval import MarkovBaseline, evaluate, interleave
+from policyd.traces.location import WHO_AND_WHEN, local_trace
 from policyd.traces.whowhen import whowhen_workload
 from policyd.types import HintValue
 from policyd.workload import Call, Workload
 from policyd.workloads.pbkv import code_writing, fact_checking, financial
 
-WHOWHEN = Path(__file__).resolve().parents[2] / "shared" / "traces" / "who_and_when_captainagent"
+WHOWHEN = local_trace(WHO_AND_WHEN)  # the public chats, when $AGENTKV_TRACES holds them
 
 Step = tuple[str, dict[str, HintValue]]
 
@@ -709,8 +709,11 @@ def test_prequential_evaluation_beats_markov_on_fact_checking() -> None:
     assert result.ours.all.accuracy(1) > 0.85
 
 
-@pytest.mark.skipif(not WHOWHEN.is_dir(), reason="Who&When traces not present")
+@pytest.mark.skipif(
+    WHOWHEN is None or not WHOWHEN.is_dir(), reason="Who&When traces not here ($AGENTKV_TRACES)"
+)
 def test_real_whowhen_chats() -> None:
+    assert WHOWHEN is not None
     workload = whowhen_workload(WHOWHEN, limit=60)
     result = evaluate(workload, Predictor(k=3), concurrency=16)
     assert result.ours.all.checked[0] > 200

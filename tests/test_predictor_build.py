@@ -17,9 +17,10 @@ import pytest
 
 from policyd import predictor_builds
 from policyd.predictor import SOURCES, compiled_modules
+from policyd.traces.location import WHO_AND_WHEN, local_trace
 
 REPO = Path(__file__).resolve().parents[1]
-WHOWHEN = REPO.parent / "shared" / "traces" / "who_and_when_captainagent"
+WHOWHEN = local_trace(WHO_AND_WHEN)  # the public chats, when $AGENTKV_TRACES holds them
 
 
 def _python(code: str, *, path: Path, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
@@ -179,13 +180,12 @@ def test_the_compiled_predictor_serves_the_same_forecasts(tmp_path: Path) -> Non
             "policyd.predictor_builds",
             str(install),
             "--workloads",
-            "who-and-when,code-writing",
+            "who-and-when,code-writing" if WHOWHEN is not None else "fact-checking,code-writing",
             "--workflows",
             "150",
             "--rounds",
             "1",
-            "--whowhen",
-            str(WHOWHEN),
+            *(["--whowhen", str(WHOWHEN)] if WHOWHEN is not None else []),
         ],
         capture_output=True,
         text=True,

@@ -35,6 +35,7 @@ from policyd.traces import (
 )
 from policyd.traces import tokens as tokens_module
 from policyd.traces.jsonl import HEADER, calls_workload, format_call
+from policyd.traces.location import SWE_TRAJECTORIES, local_trace
 from policyd.traces.stats import Spread
 from policyd.traces.swe import parse_trajectory, swe_workload
 from policyd.traces.tokens import MessageTokenizer, chat_message, cl100k, encode
@@ -47,8 +48,7 @@ DATA = Path(__file__).parent / "data"
 SWE_EXCERPT = DATA / "swebench_excerpt.tar.gz"
 WHOWHEN_EXCERPT = DATA / "whowhen_excerpt.json"
 MOONCAKE_EXCERPT = DATA / "mooncake_excerpt.jsonl"
-SHARED_TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
-SWE_ARCHIVE = SHARED_TRACES / "swebench_minisweagent_200.tar.gz"
+SWE_ARCHIVE = local_trace(SWE_TRAJECTORIES)  # the public trace, when $AGENTKV_TRACES holds it
 
 # Calibrated prompt tokens of an excerpt call vs usage.prompt_tokens. The per-trajectory factor
 # is fitted on the four calls kept, so they land within ~1%; 2% leaves room, not slack.
@@ -602,8 +602,12 @@ def test_render_stats_shows_every_figure() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SWE_ARCHIVE.exists(), reason=f"{SWE_ARCHIVE} not present")
+@pytest.mark.skipif(
+    SWE_ARCHIVE is None or not SWE_ARCHIVE.exists(),
+    reason="the SWE-bench trajectories are not here ($AGENTKV_TRACES)",
+)
 def test_full_swe_archive_matches_recorded_figures() -> None:
+    assert SWE_ARCHIVE is not None
     recorded: list[int] = []  # usage.prompt_tokens of every assistant call, read without us
     tasks = 0
     with tarfile.open(SWE_ARCHIVE, "r|gz") as archive:
