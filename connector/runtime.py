@@ -136,8 +136,7 @@ class ConnectorRuntime:
         self._requests: dict[str, _Request] = {}
         self._view: SnapshotView | None = None
         self._retirement = Retirement.settled(frozenset())
-        # the view whose retired set is recounted, and the host tier's order it goes to
-        self.settled_view: SnapshotView | None = None
+        # the host tier's order (the manager attaches it), for the GPU tier's step budget
         self.host_order: HostOrder[Any] | None = None
 
     # -- events ------------------------------------------------------------------------------
@@ -150,7 +149,7 @@ class ConnectorRuntime:
     def refresh(self) -> SnapshotView | None:
         """The view to apply now; ``None`` (LRU, store everything) when stale or missing.
         O(1): a new view's retired list is recounted later, as the GPU plan's first work
-        (``retirement``), and ``settle`` tells the host tier once it is done."""
+        (``retirement``)."""
         snap = self.snapshots()
         current = self._view
         if snap is None:
@@ -181,14 +180,6 @@ class ConnectorRuntime:
     def retired_blocks(self) -> AbstractSet[int]:
         """The retired blocks now (live; empty without a view)."""
         return self._retirement.blocks
-
-    def settle(self, view: SnapshotView | None) -> None:
-        """The plan for ``view`` finished its recount: the host tier's order takes the view
-        (O(1); its re-keying is stepped with the plan's budget)."""
-        self.settled_view = view
-        if self.host_order is not None:
-            retired = self._retirement.blocks if view is not None else frozenset()
-            self.host_order.set_view(view, retired)
 
     # -- requests ----------------------------------------------------------------------------
 

@@ -549,9 +549,7 @@ class GpuTier:
         rt.refresh()
         if rt.generation != self._applied_generation:
             self._applied_generation = rt.generation
-            view = rt.view
-            self.applier.adopt(view, rt.retirement, on_settled=lambda: rt.settle(view))
-            self.budget.adopted()
+            self.budget.adopt(rt.view, rt.retirement)
         if not self.budget.busy:
             return []
         hit: AbstractSet[int] = frozenset()

@@ -10,7 +10,7 @@ from policyd.sim.cache import GpuTier, LruQueue
 from policyd.tiers.budget import ADOPT_COST_OPS, StepBudget
 from policyd.tiers.gpu import GpuApplier
 from policyd.tiers.host_order import HostOrder
-from policyd.tiers.view import Ownership, SnapshotView
+from policyd.tiers.view import Ownership, Retirement, SnapshotView
 from policyd.types import PolicySnapshot, ScoredBlocks
 
 
@@ -197,8 +197,7 @@ def test_the_step_that_adopts_a_snapshot_pays_for_it_from_its_budget() -> None:
     gpu = pool_with_free([1, 2, 3, 4, 5, 6])
     applier = GpuApplier(gpu, max_ranked_blocks=6)
     budget = StepBudget(applier, None, ops_per_step=ADOPT_COST_OPS + 2)
-    applier.adopt(view({b: float(b) for b in range(1, 7)}), frozenset())
-    budget.adopted()
+    budget.adopt(view({b: float(b) for b in range(1, 7)}), Retirement.settled(frozenset()))
     budget.run()
     assert applier.counters.ops == 2 and budget.left == 0  # the rest went to the adoption
     budget.new_step()

@@ -23,12 +23,10 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from collections.abc import Set as AbstractSet
 from itertools import repeat
 from typing import Any, Literal, Protocol
 
 from policyd.tiers.host_order import HostOrder
-from policyd.tiers.view import SnapshotView
 
 RunningSpace = Literal["shared", "separate"]
 
@@ -201,9 +199,6 @@ class HostOrderQueue:
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.order)
-
-    def set_view(self, view: SnapshotView | None, retired: AbstractSet[int]) -> None:
-        self.order.set_view(view, retired)
 
     def push(self, block: int) -> None:
         if block in self.order:

@@ -239,15 +239,8 @@ class Simulator:
         self._snapshot = snap
         limit = max(self.gpu_applier.max_pinned_blocks, self.gpu_applier.max_ranked_blocks)
         view = self._view = SnapshotView.of(snap, top_blocks=limit)
-        retirement = self.ownership.retire(view.retired_workflows)
-        host = self.host.queue
-
-        def settled() -> None:  # the recount is done: the host order takes the view (and is
-            if isinstance(host, HostOrderQueue):  # re-keyed within the step budget)
-                host.set_view(view, retirement.blocks)
-
-        self.gpu_applier.adopt(view, retirement, on_settled=settled)  # stepped at lookups
-        self.step_budget.adopted()
+        # stepped at the lookups that follow; the host order takes the view once recounted
+        self.step_budget.adopt(view, self.ownership.retire(view.retired_workflows))
 
     def _step_plan(self, hit: frozenset[int]) -> None:
         """The connector's work at a prefix lookup: what is left of this scheduling round's

@@ -5,11 +5,11 @@ A new snapshot leaves two kinds of work on vLLM's scheduler thread: the GPU plan
 (``host_order.HostOrder.rekey``). ``StepBudget`` performs both within ``ops_per_step``
 operations per scheduler step, at the step's prefix lookups: while both have work the host walk
 takes at most half of a step's budget first, then the GPU plan what is left, then the walk
-anything still unused, so neither starves the other. Adopting a new snapshot (a view refreshed,
-an old plan dropped, a new one started, its first work on cold caches: 50-100 us on vLLM's
-thread) is charged
-``ADOPT_COST_OPS`` of the adopting step's budget (``adopted``). The connector (``GpuTier``) and the
-simulator (``Simulator._step_plan``) both run it, at the same points, so they stay in step.
+anything still unused, so neither starves the other. ``adopt`` starts a new snapshot's plan,
+hands the view to the host order once the plan's recount is done, and charges the adopting
+step ``ADOPT_COST_OPS`` (a view refreshed, an old plan dropped, a new one started, its first
+work on cold caches: 50-100 us on vLLM's thread). The connector (``GpuTier``) and the simulator
+(``Simulator._step_plan``) both run it, at the same points, so they stay in step.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any, Final
 
 from policyd.tiers.gpu import GpuApplier
 from policyd.tiers.host_order import HostOrder
+from policyd.tiers.view import Retirement, SnapshotView
 
 ADOPT_COST_OPS: Final = 8  # what adopting a snapshot costs, in operations (connector.bench_step)
 
@@ -37,8 +38,16 @@ class StepBudget:
         self.left = ops_per_step
         self._adopted = False
 
-    def adopted(self) -> None:
-        """A new plan was adopted: the next ``run`` (the adopting step's) is charged for it."""
+    def adopt(self, view: SnapshotView | None, retirement: Retirement) -> None:
+        """A new view (``None``: stale): the GPU plan for it, then the host order takes it once
+        the retired set is recounted; the next ``run`` (the adopting step's) is charged for it."""
+        host = self.host
+
+        def settled() -> None:
+            if host is not None:
+                host.set_view(view, retirement.blocks if view is not None else frozenset())
+
+        self.applier.adopt(view, retirement, on_settled=settled)
         self._adopted = True
 
     @property
