@@ -109,12 +109,10 @@ def run(args: argparse.Namespace, *, snapshots: bool) -> dict[str, list[float]]:
                 pool._insert_block_hash(
                     make_block_hash_with_group_id(digest(block), GROUP), phys, TOKENS
                 )
-            for block in blocks:
-                tier.remember(digest(block))
             rid = f"r{step}"
-            rt.request_started(
-                rid, {"workflow_id": wf}, None, [digest(b) for b in blocks], len(blocks) * TOKENS
-            )
+            digests = [digest(b) for b in blocks]
+            wire = rt.request_started(rid, {"workflow_id": wf}, None, digests, len(blocks) * TOKENS)
+            tier.remember(digests, wire)
             running[rid] = hits + new
             known.extend(blocks[hit:])
             for block in blocks[hit:]:  # the host tier stores the new blocks, LRU makes room

@@ -178,6 +178,8 @@ class Run:
     trace: list[dict[str, Any]] = field(default_factory=list)  # the connector's, per request
     step_us: list[float] = field(default_factory=list)  # AgentKV's time per scheduler step
     step_cpu_us: list[float] = field(default_factory=list)  # the same, its thread's CPU time
+    hook_cpu_us: dict[str, float] = field(default_factory=dict)  # that CPU time, by hook
+    hook_calls: dict[str, int] = field(default_factory=dict)
 
     @property
     def recomputed_tokens(self) -> int:
@@ -458,6 +460,8 @@ def run_record(r: Run) -> dict[str, Any]:
         "wall_s": round(r.wall_s, 3),
         **_step_percentiles(r.step_us, "connector_step"),
         **_step_percentiles(r.step_cpu_us, "connector_step_cpu"),
+        "hook_cpu_us": {k: round(v, 1) for k, v in r.hook_cpu_us.items()},
+        "hook_calls": r.hook_calls,
     }
 
 
@@ -491,6 +495,28 @@ def table(records: Sequence[dict[str, Any]]) -> str:
             f"{r['recomputed_tokens']:>14} {ratio:>9.2f}x {r['wall_s']:>7.1f} {rate:>9.1f} "
             f"{step:>16} {cpu:>15}"
         )
+    return "\n".join(lines)
+
+
+def hooks_table(records: Sequence[dict[str, Any]]) -> str:
+    """Where the connector's CPU time on vLLM's thread goes: per hook, calls and mean us a call
+    for each run, heaviest hook first."""
+    traced = [r for r in records if r.get("hook_calls")]
+    if not traced:
+        return ""
+    total = {
+        h: sum(r["hook_cpu_us"].get(h, 0.0) for r in traced)
+        for r in traced
+        for h in r["hook_calls"]
+    }
+    lines = ["hook" + "".join(f" | {r['run']}: calls, us a call, share" for r in traced)]
+    for hook in sorted(total, key=total.__getitem__, reverse=True):
+        cells = []
+        for r in traced:
+            n, us = r["hook_calls"].get(hook, 0), r["hook_cpu_us"].get(hook, 0.0)
+            share = us / (sum(r["hook_cpu_us"].values()) or 1.0)
+            cells.append(f" | {n}, {us / n if n else 0.0:.1f}, {share:.0%}")
+        lines.append(hook + "".join(cells))
     return "\n".join(lines)
 
 
@@ -543,6 +569,9 @@ def _in_process(args: argparse.Namespace) -> list[Run]:
                 run.trace = [t for t in lines if "step_us" not in t]
                 run.step_us = [x for t in lines for x in t.get("step_us", ())]
                 run.step_cpu_us = [x for t in lines for x in t.get("step_cpu_us", ())]
+                for t in lines:
+                    run.hook_cpu_us.update(t.get("hook_cpu_us", {}))
+                    run.hook_calls.update(t.get("hook_calls", {}))
             runs.append(run)
             print(
                 f"[replay] {name}: {run.requests} requests in {run.wall_s:.1f} s", file=sys.stderr
@@ -685,6 +714,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs = _in_process(args)
     records = [run_record(r) for r in runs]
     print(table(records))
+    hooks = hooks_table(records)
+    if hooks:
+        print("\nthe connector's CPU time on vLLM's thread, by hook\n" + hooks)
     same = all(r.outputs == runs[0].outputs for r in runs)
     if len(runs) > 1:
         print(f"generated tokens identical across runs: {'yes' if same else 'NO'}")

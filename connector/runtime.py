@@ -44,6 +44,8 @@ class Guard:
         self.spent_ns = 0  # wall time inside guarded calls: what AgentKV adds to vLLM's hooks
         self.cpu_ns = 0  # the same, in the calling thread's CPU time (no GIL waits, no preemption)
         self._last_log_s: dict[str, float] = {}
+        self.cpu_ns_by_hook: dict[str, int] = {}  # where that CPU time went
+        self.calls_by_hook: dict[str, int] = {}
 
     def call(self, what: str, fn: Callable[[], T], default: T) -> T:
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
@@ -63,7 +65,10 @@ class Guard:
             return default
         finally:
             self.spent_ns += time.perf_counter_ns() - t0
-            self.cpu_ns += time.thread_time_ns() - c0
+            cpu = time.thread_time_ns() - c0
+            self.cpu_ns += cpu
+            self.cpu_ns_by_hook[what] = self.cpu_ns_by_hook.get(what, 0) + cpu
+            self.calls_by_hook[what] = self.calls_by_hook.get(what, 0) + 1
 
 
 class StepTimes:
@@ -190,7 +195,9 @@ class ConnectorRuntime:
         session_id: str | None,
         block_hashes: Sequence[bytes],
         prompt_tokens: int,
-    ) -> RequestTags:
+    ) -> tuple[int, ...]:
+        """A request vLLM just received: track it, record its blocks' owner, emit the event; its
+        blocks as wire hashes (the adapter's GPU tier remembers them)."""
         tags = parse_request_tags(request_id, params, session_id)
         blocks = ev.block_hash_ints(block_hashes)
         if len(self._requests) >= MAX_OPEN_REQUESTS:
@@ -199,7 +206,7 @@ class ConnectorRuntime:
         self.ownership.record(tags.workflow_id, blocks)
         self.counters.requests += 1
         self._emit(ev.request_started(tags, blocks, prompt_tokens, self.clock()))
-        return tags
+        return blocks
 
     def lookup_done(self, request_id: str, gpu_tokens: int, host_tokens: int) -> None:
         """A prefix lookup for the request (vLLM repeats it while the request waits): keep its
@@ -241,7 +248,7 @@ class ConnectorRuntime:
                     "request_id": request_id,
                     "workflow_id": req.tags.workflow_id,
                     "prompt_tokens": req.prompt_tokens,
-                    "block_hashes": list(req.blocks),
+                    "block_hashes": req.blocks,
                     "gpu_tokens": req.gpu_tokens,
                     "host_tokens": req.host_tokens,
                     "may_store": req.may_store,
@@ -266,7 +273,7 @@ class ConnectorRuntime:
         if req is None:
             return
         if self.trace is not None:
-            full = list(ev.block_hash_ints(block_hashes))
+            full = ev.block_hash_ints(block_hashes)
             self.trace({"request_id": request_id, "finished": True, "block_hashes": full})
         now = self.clock()
         # the prompt's full blocks are now cached on the GPU (prefix caching)

@@ -28,11 +28,10 @@ slow or sends garbage, degrades to vLLM's defaults and never reaches the request
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -65,8 +64,9 @@ from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from connector.copy_plan import plan_rows
-from connector.events import block_hash_int
+from connector.events import block_hash_int, block_hash_ints
 from connector.runtime import ConnectorRuntime, Guard, StepTimes
+from connector.trace_file import TraceFile
 from policyd.client import DaemonClient
 from policyd.tiers.budget import StepBudget
 from policyd.tiers.gpu import DEFAULT_STEP_OPS, GpuApplier, gpu_caps
@@ -89,7 +89,7 @@ class ScoredCachePolicy(CachePolicy):
     """vLLM's ``CachePolicy`` over ``HostOrder``: retired first, then by score, then LRU.
 
     The connector's runtime sets the order's view when a snapshot's retired set is settled
-    (``ConnectorRuntime.settle``) and its GPU tier performs the re-keying within the step
+    (``StepBudget.adopt``) and its GPU tier performs the re-keying within the step
     budget; until then (and whenever the snapshot is stale) the order is exactly LRU.
     """
 
@@ -170,35 +170,48 @@ class AgentKVManager(CPUOffloadingManager):
         if rt is not None and not self.guard.call(
             "write filter", lambda: rt.may_store(req_context.req_id), True
         ):
-            new = [key for key in keys if self._policy.get(key) is None]
-            self.declined_keys += len(new)
-            self.guard.call("declined", lambda: rt.store_declined(len(new)), None)
+            self.guard.call("declined", lambda: self._decline(rt, keys), None)
             # an empty keys_to_store advances vLLM's index: these chunks are declined for good
             return PrepareStoreOutput([], CPULoadStoreSpec([]), [])
         out = super().prepare_store(keys, req_context)
         if rt is not None and out is not None and out.evicted_keys:
-            evicted = [block_hash_int(k) for k in out.evicted_keys]
-            self.guard.call("host removed", lambda: rt.host_removed(evicted), None)
+            evicted = out.evicted_keys
+            self.guard.call(
+                "host removed", lambda: rt.host_removed(block_hash_ints(list(evicted))), None
+            )
         return out
+
+    def _decline(self, rt: ConnectorRuntime, keys: Collection[OffloadKey]) -> None:
+        new = sum(1 for key in keys if self._policy.get(key) is None)
+        self.declined_keys += new
+        rt.store_declined(new)
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        pending = [k for k in keys if (c := self._policy.get(k)) is not None and not c.is_ready]
+        rt = self.runtime
+        pending: list[OffloadKey] = []
+        if success and rt is not None:  # the keys this completion makes ready, for the event
+            pending = self.guard.call("host stored", lambda: self._not_ready(keys), [])
         super().complete_store(keys, req_context, success)
-        if success and pending:
+        if success:
             self.stored_keys += len(pending)
-            rt = self.runtime
-            if rt is not None:
-                stored = [block_hash_int(k) for k in pending]
-                self.guard.call("host stored", lambda: rt.host_stored(stored), None)
+        if pending and rt is not None:
+            self.guard.call("host stored", lambda: rt.host_stored(block_hash_ints(pending)), None)
+
+    def _not_ready(self, keys: Collection[OffloadKey]) -> list[OffloadKey]:
+        policy = self._policy
+        return [k for k in keys if (c := policy.get(k)) is not None and not c.is_ready]
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         spec = super().prepare_load(keys, req_context)
         rt = self.runtime
         if rt is not None:
-            loaded = [block_hash_int(k) for k in keys]
-            self.guard.call("host loaded", lambda: rt.host_loaded(loaded, req_context.req_id), None)
+            self.guard.call(
+                "host loaded",
+                lambda: rt.host_loaded(block_hash_ints(list(keys)), req_context.req_id),
+                None,
+            )
         return spec
 
 
@@ -398,7 +411,7 @@ class VllmPool:
     def __init__(self, pool: BlockPool, group_ids: Sequence[int]) -> None:
         self.pool = pool
         self.group_ids = list(group_ids)
-        self.digests: OrderedDict[int, bytes] = OrderedDict()
+        self.digests = _RecentDigests(MAX_DIGESTS)
         # vLLM 0.32 keys its cache by hash + 4-byte big-endian group id
         # (``make_block_hash_with_group_id``); reading that dict directly saves two calls per
         # lookup, the plan's most frequent operation. ``get_cached_block`` when it is not there.
@@ -407,13 +420,10 @@ class VllmPool:
             pool.cached_block_hash_to_block, "_cache", None
         )
 
-    def remember(self, digest: bytes) -> None:
-        """Keep the wire hash -> vLLM hash mapping for blocks a snapshot may name."""
-        key = block_hash_int(digest)
-        self.digests[key] = digest
-        self.digests.move_to_end(key)
-        if len(self.digests) > MAX_DIGESTS:
-            self.digests.popitem(last=False)
+    def remember(self, digests: Sequence[bytes], blocks: Sequence[int]) -> None:
+        """Keep the wire hash -> vLLM hash mapping for blocks a snapshot may name: a request's
+        digests and their wire hashes (``connector.events.block_hash_ints``), in order."""
+        self.digests.update(blocks, digests)
 
     def lookup(self, block: int) -> list[KVCacheBlock] | None:
         digest = self.digests.get(block)
@@ -454,6 +464,30 @@ class VllmPool:
         for b in blocks:
             queue.remove(b)
         queue.append_n(blocks)
+
+
+class _RecentDigests:
+    """Wire hash -> vLLM digest for the blocks requests named most recently: at least the
+    newest ``capacity // 2`` and at most ``capacity``. Two generations, so remembering a
+    request's blocks is one C-level ``dict.update`` (no per-block Python on vLLM's thread):
+    when the newer fills up it becomes the older and the older is dropped."""
+
+    def __init__(self, capacity: int) -> None:
+        self.half = max(capacity // 2, 1)
+        self._newer: dict[int, bytes] = {}
+        self._older: dict[int, bytes] = {}
+
+    def update(self, blocks: Sequence[int], digests: Sequence[bytes]) -> None:
+        self._newer.update(zip(blocks, digests, strict=True))
+        if len(self._newer) >= self.half:
+            self._older, self._newer = self._newer, {}
+
+    def get(self, block: int) -> bytes | None:
+        found = self._newer.get(block)
+        return self._older.get(block) if found is None else found
+
+    def __len__(self) -> int:
+        return len(self._newer) + len(self._older)
 
 
 class PrefixHit(AbstractSet[int]):
@@ -510,8 +544,8 @@ class GpuTier:
     def pinned(self) -> dict[int, list[KVCacheBlock]]:
         return self.applier.pinned
 
-    def remember(self, digest: bytes) -> None:
-        self.pool.remember(digest)
+    def remember(self, digests: Sequence[bytes], blocks: Sequence[int]) -> None:
+        self.pool.remember(digests, blocks)
 
     def cached(self, block: int) -> list[KVCacheBlock]:
         return self.pool.lookup(block) or []
@@ -597,6 +631,7 @@ class AgentKVConnector(OffloadingConnector):
         self.step_times = StepTimes(self._guard)
         self._client: DaemonClient | None = None
         self._runtime: ConnectorRuntime | None = None
+        self._trace_file: TraceFile | None = None
         self._gpu: GpuTier | None = None
         self._block_size = vllm_config.cache_config.block_size
         self._max_pinned = self._max_ranked = 0
@@ -627,7 +662,7 @@ class AgentKVConnector(OffloadingConnector):
         trace_path = extra.get("agentkv_trace_path")
         trace: Callable[[dict[str, object]], None] | None = None
         if trace_path is not None:
-            lines = _JsonLines(str(trace_path))
+            lines = self._trace_file = TraceFile(str(trace_path))
             if _flag(extra.get("agentkv_trace_tiers", False)):  # tier contents: small pools only
                 trace = lambda record: lines({**record, **self._tier_contents()})  # noqa: E731
             else:
@@ -700,16 +735,16 @@ class AgentKVConnector(OffloadingConnector):
             return
 
         def started() -> None:
-            if self._gpu is not None:
-                for digest in request.block_hashes:
-                    self._gpu.remember(bytes(digest))
-            rt.request_started(
+            digests = list(request.block_hashes)  # vLLM appends to its list as tokens come
+            blocks = rt.request_started(
                 request.request_id,
                 request.kv_transfer_params,
                 getattr(request, "session_id", None),
-                [bytes(d) for d in request.block_hashes],
+                digests,
                 request.num_prompt_tokens,
             )
+            if self._gpu is not None:
+                self._gpu.remember(digests, blocks)
 
         self._guard.call("request started", started, None)
 
@@ -764,7 +799,7 @@ class AgentKVConnector(OffloadingConnector):
                 lambda: rt.request_finished(
                     request.request_id,
                     request.num_output_tokens,
-                    [bytes(d) for d in request.block_hashes] if rt.trace is not None else (),
+                    list(request.block_hashes) if rt.trace is not None else (),
                 ),
                 None,
             )
@@ -781,8 +816,12 @@ class AgentKVConnector(OffloadingConnector):
             steps: dict[str, object] = {
                 "step_us": list(self.step_times.steps_us),
                 "step_cpu_us": list(self.step_times.steps_cpu_us),
+                "hook_cpu_us": {k: v / 1e3 for k, v in self._guard.cpu_ns_by_hook.items()},
+                "hook_calls": dict(self._guard.calls_by_hook),
             }
             self._guard.call("trace", lambda: rt.trace(steps), None)  # type: ignore[misc]
+        if self._trace_file is not None:
+            self._guard.call("trace close", self._trace_file.close, None)
         if self._gpu is not None:
             self._guard.call("unpin", self._gpu.unpin_all, None)
         if self._client is not None:
@@ -792,17 +831,6 @@ class AgentKVConnector(OffloadingConnector):
 
 def _flag(value: object) -> bool:
     return str(value).lower() not in ("0", "false", "no", "off")
-
-
-class _JsonLines:
-    """Appends one JSON object a line to a file (``agentkv_trace_path``), flushed per line."""
-
-    def __init__(self, path: str) -> None:
-        self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the run
-
-    def __call__(self, record: dict[str, object]) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
 
 
 class _NullSink:

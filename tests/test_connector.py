@@ -4,10 +4,12 @@ loopback (an in-test PULL / PUB peer standing in for the daemon)."""
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,9 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from connector.copy_plan import plan_rows
-from connector.events import block_hash_int, prefix_hit
+from connector.events import block_hash_int, block_hash_ints, prefix_hit
 from connector.params import UNKNOWN_AGENT, parse_request_tags
 from connector.runtime import ConnectorRuntime, Guard
+from connector.trace_file import TraceFile
 from policyd.client import DaemonClient
 from policyd.tiers.host_order import HostOrder
 from policyd.tiers.view import Ownership, SnapshotView, select_pins, write_allowed
@@ -80,6 +83,33 @@ def test_block_hash_int_is_the_big_endian_prefix() -> None:
     digest = bytes([0xAB] * 8 + [1] * 24)
     assert block_hash_int(digest) == 0xABABABABABABABAB
     assert block_hash_int(digest + b"\x00\x00\x00\x01") == block_hash_int(digest)  # offload key
+
+
+@given(st.integers(8, 40), st.lists(st.binary(min_size=40, max_size=40), max_size=200))
+def test_block_hash_ints_equals_one_digest_at_a_time(width: int, raw: list[bytes]) -> None:
+    digests = [r[:width] for r in raw]  # one hash function: one length (the unpacked path)
+    assert block_hash_ints(digests) == tuple(block_hash_int(d) for d in digests)
+
+
+@given(st.lists(st.binary(min_size=8, max_size=40), max_size=50))
+def test_block_hash_ints_of_mixed_lengths_falls_back(digests: list[bytes]) -> None:
+    if len({len(d) for d in digests}) > 1 and len(digests[0]) != len(digests[-1]):
+        assert block_hash_ints(digests) == tuple(block_hash_int(d) for d in digests)
+
+
+def test_trace_file_writes_every_record_in_order_off_the_callers_thread(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    trace = TraceFile(str(path))
+    for i in range(500):
+        trace({"request_id": f"r{i}", "block_hashes": (i, i + 1)})
+    trace({"bad": object()})  # not JSON: lost alone, counted
+    trace({"request_id": "last"})
+    trace.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["request_id"] for r in lines] == [*(f"r{i}" for i in range(500)), "last"]
+    assert lines[7]["block_hashes"] == [7, 8]
+    assert trace.write_errors == 1
+    trace.close()  # twice: nothing left to do
 
 
 @given(

@@ -43,7 +43,7 @@ def setup(n_blocks: int = 12) -> tuple[Any, Any, ConnectorRuntime, list[PolicySn
     blocks = pool.get_new_blocks(8)
     for i, block in enumerate(blocks, start=1):
         pool._insert_block_hash(make_block_hash_with_group_id(digest(i), GROUP), block, 32)
-        tier.remember(digest(i))
+        tier.remember([digest(i)], [i])
     rt.request_started(
         "r-old", {"workflow_id": "old"}, None, [digest(i) for i in (1, 2, 3, 4)], 128
     )
@@ -106,3 +106,16 @@ def test_held_blocks_are_never_evicted() -> None:
     assert 8 not in evicted  # block 8 is held (ref_cnt 1)
     assert tier.cached(8)
     assert sorted(evicted) == [5, 6, 7]
+
+
+def test_recent_digests_keep_the_newest_half_at_least_and_never_more_than_capacity() -> None:
+    from connector.vllm_adapter import _RecentDigests  # noqa: PLC0415
+
+    recent = _RecentDigests(capacity=8)
+    for i in range(100):
+        recent.update([i], [digest(i)])
+        assert len(recent) <= 8
+        assert all(recent.get(j) == digest(j) for j in range(max(i - 3, 0), i + 1))
+    assert recent.get(0) is None
+    recent.update([5, 6], [digest(5), digest(6)])  # named again: newest again
+    assert recent.get(5) == digest(5)

@@ -70,7 +70,7 @@ class VllmSide:
         for block, phys in zip(blocks[hit:], new, strict=False):
             if block in cached_now:
                 continue  # computed twice: scratch
-            self.ops.remember(digest(block))
+            self.ops.remember([digest(block)], [block])
             self.pool._insert_block_hash(self.key(digest(block), GROUP), phys, TOKENS)
             self.wire[phys.block_id] = block
             cached_now.add(block)
