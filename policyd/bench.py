@@ -146,6 +146,7 @@ STREAM_PARAMS = {
     "synthetic": "workflows",
     "coding-pool": "tasks",
     "mixed": "streams",
+    "group-chat": "chats",
 }
 
 

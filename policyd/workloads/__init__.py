@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from policyd.workload import Workload
+from policyd.workloads.chats import group_chat
 from policyd.workloads.mixed import mixed
 from policyd.workloads.pbkv import code_writing, fact_checking, financial
 from policyd.workloads.pool import coding_pool
@@ -18,6 +19,7 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "coding-pool": coding_pool,
     "synthetic": synthetic_agents,
     "mixed": mixed,
+    "group-chat": group_chat,
 }
 
 
