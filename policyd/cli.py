@@ -154,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     tput.add_argument("--refs", type=int, default=1_000_000, help="trace size in block references")
     tput.add_argument("--concurrency", type=int, default=16)
     tput.add_argument("--seed", type=int, default=0)
+    guard = sub.add_parser(
+        "bench-guard",
+        help="the recency guard's cost per event beside the engine's (policyd bench-guard -h)",
+        add_help=False,
+    )
+    guard.add_argument("args", nargs=argparse.REMAINDER)
     cli_history.add_parsers(sub)
     cli_daemon.add_parsers(sub)
     return parser
@@ -227,8 +233,16 @@ def _trace(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench-guard"]:  # its own parser: flags pass through unparsed here
+        from policyd.guard_cost import main as bench_guard  # noqa: PLC0415
+
+        return bench_guard(argv[1:])
     args = build_parser().parse_args(argv)
-    commands = {"bench": _bench, "throughput": _throughput, "trace": _trace}
+    commands = {
+        "bench": _bench,
+        "throughput": _throughput,
+        "trace": _trace,
+    }
     commands.update(cli_history.COMMANDS)
     commands.update(cli_daemon.COMMANDS)
     try:

@@ -72,7 +72,13 @@ def solo_call(
 
 def trained(host_blocks: int = 100, **params: object) -> tuple[Engine, AgentKV, Clock]:
     """Scenario: workflows of one type run planner -> coder -> planner -> end, 10 s apart."""
-    policy = AgentKV(min_observations=0, min_accuracy=0.0, host_blocks=host_blocks, **params)  # type: ignore[arg-type]
+    policy = AgentKV(  # the learned decisions: no recency guard
+        min_observations=0,
+        min_accuracy=0.0,
+        host_blocks=host_blocks,
+        guard=False,
+        **params,  # type: ignore[arg-type]
+    )
     clock = Clock()
     engine = Engine(policy, clock=clock)
     base = 100
@@ -311,7 +317,7 @@ def test_the_steps_ranking_breaks_its_ties_by_the_lookahead_unless_told_not_to()
 def test_a_flat_types_steps_keep_recency_as_their_tie_break() -> None:
     """Single-agent workflows give the learned graph no structure: there the steps ranking
     stays recency (the lookahead has a ranking of its own)."""
-    policy = AgentKV(min_observations=0, min_accuracy=0.0, gpu_ranking="steps")
+    policy = AgentKV(min_observations=0, min_accuracy=0.0, gpu_ranking="steps", guard=False)
     clock = Clock()
     engine = Engine(policy, clock=clock)
     for w in range(12):

@@ -108,7 +108,7 @@ def _solo_pool(**params: object) -> tuple[Engine, AgentKV]:
     """Scenario: a flat type (one agent per workflow, like the SWE-bench pool): 30 finished
     workflows of four calls, then two live ones - "quick" calling every 5 s, "slow" every
     30 s - each prompt one block longer than the workflow's previous one."""
-    policy = AgentKV(min_observations=0, min_accuracy=0.0, host_blocks=100, **params)  # type: ignore[arg-type]
+    policy = AgentKV(min_observations=0, min_accuracy=0.0, host_blocks=100, guard=False, **params)  # type: ignore[arg-type]
     clock = Clock()
     engine = Engine(policy, clock=clock)
 
@@ -213,9 +213,9 @@ def test_the_simulator_orders_the_host_tier_by_host_scores_when_given(host: bool
 
 def test_agentkv_asks_for_inherited_scores_only_where_it_scores_outputs() -> None:
     for policy, expected in [
-        (AgentKV(), True),
-        (AgentKV(inherit_scores=False), False),
-        (AgentKV(score_outputs=False), False),
+        (AgentKV(guard=False), True),
+        (AgentKV(inherit_scores=False, guard=False), False),
+        (AgentKV(score_outputs=False, guard=False), False),
     ]:
         snap = policy.snapshot(EngineState(), now=0.0, version=1, ttl_s=5.0)
         assert snap.inherit_scores is expected

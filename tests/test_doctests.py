@@ -11,6 +11,7 @@ import policyd.bench
 import policyd.daemon.ingest
 import policyd.daemon.settings
 import policyd.history.safe_sql
+import policyd.policies.guard
 import policyd.policies.referee
 import policyd.policies.stepgraph
 import policyd.policies.virtual
@@ -18,6 +19,7 @@ import policyd.ratelog
 import policyd.types
 import policyd.validate
 import policyd.workload
+import policyd.workloads.chats
 
 
 @pytest.mark.parametrize(
@@ -27,6 +29,7 @@ import policyd.workload
         policyd.daemon.ingest,
         policyd.daemon.settings,
         policyd.history.safe_sql,
+        policyd.policies.guard,
         policyd.policies.referee,
         policyd.policies.stepgraph,
         policyd.policies.virtual,
@@ -34,6 +37,7 @@ import policyd.workload
         policyd.types,
         policyd.validate,
         policyd.workload,
+        policyd.workloads.chats,
     ],
     ids=lambda module: module.__name__,
 )

@@ -356,6 +356,8 @@ class Service:
         params: dict[str, object] = {
             pname: self.tunables[key] for key, pname in POLICY_PARAMS.items() if pname in accepted
         }
+        if "guard" in accepted:
+            params["guard"] = self.tunables["recency_guard"] == "on"
         if "host_blocks" in params:
             params["host_blocks"] = self._host_blocks()
         if "gpu_blocks" in accepted:
@@ -864,7 +866,7 @@ class Service:
             old = dict(self.tunables)
             changed = {k: v for k, v in good.items() if old[k] != v}
             self.tunables.update(changed)
-            if changed.keys() & {"policy", *POLICY_PARAMS}:
+            if changed.keys() & {"policy", "recency_guard", *POLICY_PARAMS}:
                 try:
                     self._rebuild_policy()
                 except Exception as exc:  # a policy that refuses its params: roll back

@@ -443,6 +443,9 @@ def tunables() -> dict[str, Tunable]:
         Tunable("write_filter_theta", float, 0.95, "Host-tier occupancy at or above which the "
                 "tier counts as under pressure (write filter).", min=0.0, max=1.0,
                 min_exclusive=True),
+        Tunable("recency_guard", str, "on", "agentkv: publish vLLM's default (LRU, store "
+                "everything) while its learned decisions hit less than a shadow LRU estimates "
+                "(policies/guard.py).", choices=("on", "off")),
         Tunable("host_tier_gib", float, 256.0, "Current host-tier size (sizing and pressure).",
                 min=0.0, max=MAX_HOST_TIER_GIB),
         Tunable("block_sample_rate", float, 1.0,

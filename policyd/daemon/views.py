@@ -129,6 +129,8 @@ def stats(service: Service) -> dict[str, Any]:
         # calls whose forecast the prediction log did not record: over its budget per second
         "predictions_not_logged": service.predictions.forecasts_skipped,
         "recommended_host_gib": service.sizing_view.get("recommended_host_gib"),
+        # agentkv's recency guard (mode, shadow LRU sample rate, windows), when it has one
+        "guard": _guard_state(service.engine.policy),
         "kv_events": dict(service.kv_events.counters) if service.kv_events else None,
         "snapshot": {
             "version": snap.version if snap else None,
@@ -274,3 +276,9 @@ def sql(service: Service, sql: str, max_rows: int) -> dict[str, Any]:
         "elapsed_ms": result.elapsed_ms,
         "snapshot_ts": path.stat().st_mtime if path.exists() else None,
     }
+
+
+def _guard_state(policy: object) -> dict[str, object] | None:
+    guard = getattr(policy, "guard", None)
+    state = getattr(guard, "state", None)
+    return state() if callable(state) else None

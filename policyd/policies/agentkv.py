@@ -73,6 +73,7 @@ import msgspec
 from policyd.engine import EngineState
 from policyd.mrc import Sizing
 from policyd.policies.efficientagent import WorkingSet
+from policyd.policies.guard import RecencyGuard
 from policyd.policies.pbkv import PBKV
 from policyd.policies.referee import RankingReferee
 from policyd.policies.stepgraph import StepGraph
@@ -140,6 +141,7 @@ class AgentKV(PBKV):
         host_residency_bonus: float = 0.2,
         host_pace: bool = True,
         inherit_scores: bool = True,
+        guard: bool = True,
     ) -> None:
         super().__init__(
             k=k,
@@ -184,6 +186,10 @@ class AgentKV(PBKV):
             window_s=window_s, coverage=coverage, shards_rate=shards_rate, seed=seed
         )
         self.working_set.configure(gpu_blocks=gpu_blocks, host_blocks=host_blocks)
+        # vLLM's default while the learned decisions lose to it (policies/guard.py)
+        self.guard = RecencyGuard() if guard else None
+        if self.guard is not None:
+            self.guard.configure(gpu_blocks=gpu_blocks, host_blocks=host_blocks)
         self.now_ts = 0.0
         self._refs: deque[tuple[float, int]] = deque()  # (ts, prompt blocks) in the window
         self._refs_in_window = 0
@@ -244,6 +250,10 @@ class AgentKV(PBKV):
         write_filter = WriteFilter(
             mode="conditioned", max_new_blocks=self.max_new_blocks, pressure=pressure
         )
+        if self.guard is not None and not self.guard.learned:
+            # computed all the same (the referee and the forecasts keep learning from what
+            # they publish), but vLLM's default applies: nothing ranked, retired or declined
+            return PolicySnapshot(version=version, ts=now, ttl_s=ttl_s, policy=self.name)
         return msgspec.structs.replace(
             snap,
             scores=gpu_scores,
@@ -280,6 +290,8 @@ class AgentKV(PBKV):
 
     def configure_tiers(self, *, gpu_blocks: int, host_blocks: int) -> None:
         self.working_set.configure(gpu_blocks=gpu_blocks, host_blocks=host_blocks)
+        if self.guard is not None:
+            self.guard.configure(gpu_blocks=gpu_blocks, host_blocks=host_blocks)
         self._configure_virtual(gpu_blocks)
 
     def _configure_virtual(self, gpu_blocks: int) -> None:
@@ -304,6 +316,8 @@ class AgentKV(PBKV):
     def observe(self, event: Event, state: EngineState) -> None:
         super().observe(event, state)
         self.working_set.observe(event)
+        if self.guard is not None:
+            self.guard.observe(event)
         self.now_ts = max(self.now_ts, event.ts)
         kind = type(event)
         if kind is RequestStarted:
@@ -620,9 +634,16 @@ class AgentKV(PBKV):
                     return True
         return False
 
+    def prefetch(self, budget_blocks: int, state: EngineState) -> list[int]:
+        """PBKV's conservative prefetch; none while the guard holds vLLM's default."""
+        if self.guard is not None and not self.guard.learned:
+            return []
+        return super().prefetch(budget_blocks, state)
+
     def admit(self, request_id: str, block_hashes: Sequence[int], state: EngineState) -> Admit:
-        """Host admission, per request: is each written block reused before the tier would
-        evict it, and is it worth more than what it displaces? In order:
+        """Host admission, per request (everything while the guard holds vLLM's default): is
+        each written block reused before the tier would evict it, and is it worth more than
+        what it displaces? In order:
 
         1. lifecycle: the workflow finished - only the agent's shared prefix is kept;
         2. room: the tier holds the write without evicting anything - written (it can cost
@@ -635,6 +656,8 @@ class AgentKV(PBKV):
            expected stack distance below the capacity (it survives until reused) - written;
            otherwise declined."""
         blocks = tuple(block_hashes)
+        if self.guard is not None and not self.guard.learned:
+            return Admit(request_id=request_id, block_hashes=blocks, reason="guard: vLLM's default")
         req = state.requests.get(request_id)
         if req is None:  # unknown request: store everything (vLLM's behaviour)
             return Admit(request_id=request_id, block_hashes=blocks, reason="unknown request")
