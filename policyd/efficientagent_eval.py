@@ -65,6 +65,7 @@ VARIANTS: dict[str, Variant] = {
         Variant("efficientagent", "efficientagent", (("mode", "conditioned"),)),
         Variant("efficientagent-fixed", "efficientagent", (("mode", "fixed"),)),
         Variant("agentkv", "agentkv"),
+        Variant("agentkv-learned", "agentkv", (("guard", False),)),  # without its recency guard
     )
 }
 
