@@ -510,11 +510,12 @@ def hooks_table(records: Sequence[dict[str, Any]]) -> str:
         for h in r["hook_calls"]
     }
     lines = ["hook" + "".join(f" | {r['run']}: calls, us a call, share" for r in traced)]
+    run_total = [sum(r["hook_cpu_us"].values()) or 1.0 for r in traced]
     for hook in sorted(total, key=total.__getitem__, reverse=True):
         cells = []
-        for r in traced:
+        for r, whole in zip(traced, run_total, strict=True):
             n, us = r["hook_calls"].get(hook, 0), r["hook_cpu_us"].get(hook, 0.0)
-            share = us / (sum(r["hook_cpu_us"].values()) or 1.0)
+            share = us / whole
             cells.append(f" | {n}, {us / n if n else 0.0:.1f}, {share:.0%}")
         lines.append(hook + "".join(cells))
     return "\n".join(lines)

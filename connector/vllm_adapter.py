@@ -190,18 +190,17 @@ class AgentKVManager(CPUOffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
         rt = self.runtime
-        pending: list[OffloadKey] = []
-        if success and rt is not None:  # the keys this completion makes ready, for the event
-            pending = self.guard.call("host stored", lambda: self._not_ready(keys), [])
+        if success and rt is not None:  # reported before vLLM marks them ready: still pending
+            self.stored_keys += self.guard.call("host stored", lambda: self._stored(rt, keys), 0)
         super().complete_store(keys, req_context, success)
-        if success:
-            self.stored_keys += len(pending)
-        if pending and rt is not None:
-            self.guard.call("host stored", lambda: rt.host_stored(block_hash_ints(pending)), None)
 
-    def _not_ready(self, keys: Collection[OffloadKey]) -> list[OffloadKey]:
+    def _stored(self, rt: ConnectorRuntime, keys: Collection[OffloadKey]) -> int:
+        """Report the keys this completion makes ready; how many."""
         policy = self._policy
-        return [k for k in keys if (c := policy.get(k)) is not None and not c.is_ready]
+        pending = [k for k in keys if (c := policy.get(k)) is not None and not c.is_ready]
+        if pending:
+            rt.host_stored(block_hash_ints(pending))
+        return len(pending)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         spec = super().prepare_load(keys, req_context)

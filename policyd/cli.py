@@ -238,11 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return bench_guard(argv[1:])
     args = build_parser().parse_args(argv)
-    commands = {
-        "bench": _bench,
-        "throughput": _throughput,
-        "trace": _trace,
-    }
+    commands = {"bench": _bench, "throughput": _throughput, "trace": _trace}
     commands.update(cli_history.COMMANDS)
     commands.update(cli_daemon.COMMANDS)
     try:

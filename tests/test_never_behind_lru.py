@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from policyd.sim.replay import SimConfig, simulate
+from policyd.workload import Workload
 from policyd.workloads import make_workload
 
 TOLERANCE = 0.01
@@ -23,8 +24,7 @@ POINTS: list[tuple[str, dict[str, object], int]] = [
 ]
 
 
-def _point(name: str, params: dict[str, object], concurrency: int, host: bool) -> SimConfig:
-    work = make_workload(name, seed=1, **params)
+def _point(work: Workload, concurrency: int, host: bool) -> SimConfig:
     largest = max(len(call.block_hashes) for stream in work.streams for call in stream)
     gpu = largest * 3 // 2
     return SimConfig(concurrency=concurrency, gpu_blocks=gpu, host_blocks=gpu if host else 0)
@@ -36,7 +36,7 @@ def test_agentkv_is_never_more_than_one_percent_behind_lru(
     name: str, params: dict[str, object], concurrency: int, host: bool
 ) -> None:
     work = make_workload(name, seed=1, **params)
-    config = _point(name, params, concurrency, host)
+    config = _point(work, concurrency, host)
     lru = simulate(work, "lru", config)
     ours = simulate(work, "agentkv", config)
     assert ours.hit_rate >= lru.hit_rate * (1 - TOLERANCE), (
@@ -53,7 +53,7 @@ def test_agentkv_is_never_more_than_one_percent_behind_lru(
 def test_a_small_coding_pool_with_a_host_tier() -> None:
     params: dict[str, object] = {"tasks": 12, "max_calls": 30, "max_prompt_tokens": 20000}
     work = make_workload("coding-pool", seed=1, **params)
-    config = _point("coding-pool", params, 6, host=True)
+    config = _point(work, 6, host=True)
     lru = simulate(work, "lru", config)
     ours = simulate(work, "agentkv", config)
     assert ours.hit_rate >= lru.hit_rate * (1 - TOLERANCE)
@@ -71,7 +71,7 @@ def main() -> None:
     for name, params, concurrency in [*POINTS, *extra]:
         work = make_workload(name, seed=1, **params)
         for host in (False, True):
-            config = _point(name, params, concurrency, host)
+            config = _point(work, concurrency, host)
             lru = simulate(work, "lru", config).hit_rate
             ours = simulate(work, "agentkv", config).hit_rate
             bare = simulate(work, "agentkv", config, policy_params={"guard": False}).hit_rate

@@ -250,7 +250,7 @@ class AgentKV(PBKV):
         write_filter = WriteFilter(
             mode="conditioned", max_new_blocks=self.max_new_blocks, pressure=pressure
         )
-        if self.guard is not None and not self.guard.learned:
+        if self._holding_default:
             # computed all the same (the referee and the forecasts keep learning from what
             # they publish), but vLLM's default applies: nothing ranked, retired or declined
             return PolicySnapshot(version=version, ts=now, ttl_s=ttl_s, policy=self.name)
@@ -287,6 +287,11 @@ class AgentKV(PBKV):
             if rest:
                 out.append(ScoredBlocks(group.score, rest))
         return out
+
+    @property
+    def _holding_default(self) -> bool:
+        """The guard holds vLLM's default: no ranking, retiring, declining or prefetching."""
+        return self.guard is not None and not self.guard.learned
 
     def configure_tiers(self, *, gpu_blocks: int, host_blocks: int) -> None:
         self.working_set.configure(gpu_blocks=gpu_blocks, host_blocks=host_blocks)
@@ -636,7 +641,7 @@ class AgentKV(PBKV):
 
     def prefetch(self, budget_blocks: int, state: EngineState) -> list[int]:
         """PBKV's conservative prefetch; none while the guard holds vLLM's default."""
-        if self.guard is not None and not self.guard.learned:
+        if self._holding_default:
             return []
         return super().prefetch(budget_blocks, state)
 
@@ -656,7 +661,7 @@ class AgentKV(PBKV):
            expected stack distance below the capacity (it survives until reused) - written;
            otherwise declined."""
         blocks = tuple(block_hashes)
-        if self.guard is not None and not self.guard.learned:
+        if self._holding_default:
             return Admit(request_id=request_id, block_hashes=blocks, reason="guard: vLLM's default")
         req = state.requests.get(request_id)
         if req is None:  # unknown request: store everything (vLLM's behaviour)

@@ -41,7 +41,7 @@ False
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Final
 
 import numpy as np
@@ -144,7 +144,7 @@ class RecencyGuard:
         elif kind is RequestFinished:
             assert isinstance(event, RequestFinished)
             self._pending.pop(event.request_id, None)  # no hit reported: nothing to compare
-            self._freed(self._running.pop(event.request_id, ()))
+            self._on_gpu_last(self._running.pop(event.request_id, ()))
 
     def _started(self, request_id: str, blocks: tuple[int, ...]) -> None:
         if not self._gpu_capacity and not self._host_capacity:
@@ -171,11 +171,7 @@ class RecencyGuard:
             host.move_to_end(block)
         for block in reversed(sampled[on_gpu:hits]):  # loaded: the host touches them
             host.move_to_end(block)
-        for block in reversed(sampled):  # all on the GPU now
-            gpu[block] = None
-            gpu.move_to_end(block)
-        while len(gpu) > self._gpu_capacity:
-            gpu.popitem(last=False)
+        self._on_gpu_last(sampled)  # all on the GPU now
         while len(host) > self._host_capacity:
             host.popitem(last=False)
         if positions:
@@ -186,9 +182,10 @@ class RecencyGuard:
                 self._running.pop(next(iter(self._running)))
             self._running[request_id] = sampled
 
-    def _freed(self, sampled: tuple[int, ...]) -> None:
-        """A request finished: vLLM frees its blocks now, tail first, so they become the GPU's
-        most recent (a request holds its blocks while it runs; its start put them on top)."""
+    def _on_gpu_last(self, sampled: tuple[int, ...]) -> None:
+        """The request's blocks become the GPU's most recent, its first block last (vLLM frees
+        a request's blocks tail first). At its start, and again when it finishes and vLLM frees
+        them (a request holds its blocks while it runs)."""
         gpu = self._gpu
         for block in reversed(sampled):
             gpu[block] = None
@@ -252,5 +249,5 @@ class RecencyGuard:
             "mode": "learned" if self.learned else "recency",
             "rate": self.rate,
             "calibration": round(self.calibration, 4),
-            **{k: getattr(self.counters, k) for k in GuardCounters.__slots__},
+            **asdict(self.counters),
         }
