@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, TypeVar
 
 from connector import events as ev
+from connector.deferred import Job, immediate
 from connector.params import RequestTags, parse_request_tags
 from policyd.tiers.host_order import HostOrder
 from policyd.tiers.view import Ownership, Retirement, SnapshotView, write_allowed
@@ -91,14 +92,20 @@ class StepTimes:
 
 @dataclass(slots=True)
 class _Request:
-    tags: RequestTags
-    blocks: tuple[int, ...]
+    digests: Sequence[bytes]  # vLLM's block hashes when the request arrived
     prompt_tokens: int
+    tags: RequestTags | None = None  # these two are filled in by the deferred ``started`` job
+    blocks: tuple[int, ...] | None = None  # the digests' wire hashes
     gpu_tokens: int = 0  # the latest lookup's hit (vLLM looks a waiting request up again)
     host_tokens: int = 0
     looked_up: bool = False
     reported: bool = False
     may_store: bool = True
+
+    def wire_blocks(self) -> tuple[int, ...]:
+        """The request's blocks as wire hashes (computed here if the deferred job has not yet)."""
+        blocks = self.blocks
+        return ev.block_hash_ints(self.digests) if blocks is None else blocks
 
 
 @dataclass(slots=True)
@@ -118,7 +125,16 @@ class Counters:
 
 
 class ConnectorRuntime:
-    """Request bookkeeping, the applied snapshot and event emission for one vLLM scheduler."""
+    """Request bookkeeping, the applied snapshot and event emission for one vLLM scheduler.
+
+    Threads: every public method is called on vLLM's scheduler thread and does only what must
+    be decided there (the snapshot in force, a lookup's hit, the write filter); the rest - tags,
+    wire hashes, ownership, events, the trace - is handed to ``defer`` as jobs that run in
+    order (``connector.deferred.Deferred`` in vLLM, ``immediate`` in tests and benchmarks).
+    ``remember``, when set, is called from those jobs with each request's digests and wire
+    hashes (the GPU tier's lookup table), before the request's event is sent: a snapshot that
+    names a block always comes after its mapping is known.
+    """
 
     def __init__(
         self,
@@ -128,6 +144,7 @@ class ConnectorRuntime:
         tokens_per_block: int,
         clock: Callable[[], float] = time.monotonic,
         trace: Callable[[dict[str, object]], None] | None = None,
+        defer: Callable[[Job], None] = immediate,
     ) -> None:
         self.sink = sink
         self.snapshots = snapshots
@@ -135,6 +152,8 @@ class ConnectorRuntime:
         self.clock = clock
         self.trace = trace  # one record per request at allocation (kv_connector_extra_config
         # agentkv_trace_path): what the connector saw and decided, for audits and differentials
+        self.defer = defer
+        self.remember: Callable[[Sequence[bytes], Sequence[int]], None] | None = None
         self.counters = Counters()
         self.ownership = Ownership()
         self.generation = 0  # bumps whenever the applied view changes (new snapshot or stale)
@@ -195,18 +214,31 @@ class ConnectorRuntime:
         session_id: str | None,
         block_hashes: Sequence[bytes],
         prompt_tokens: int,
-    ) -> tuple[int, ...]:
-        """A request vLLM just received: track it, record its blocks' owner, emit the event; its
-        blocks as wire hashes (the adapter's GPU tier remembers them)."""
-        tags = parse_request_tags(request_id, params, session_id)
-        blocks = ev.block_hash_ints(block_hashes)
+    ) -> None:
+        """A request vLLM just received (``block_hashes``: a copy the caller will not change):
+        track it; its tags, wire hashes, owner record and event are deferred."""
         if len(self._requests) >= MAX_OPEN_REQUESTS:
             self._requests.pop(next(iter(self._requests)))
-        self._requests[request_id] = _Request(tags, blocks, prompt_tokens)
-        self.ownership.record(tags.workflow_id, blocks)
+        req = self._requests[request_id] = _Request(block_hashes, prompt_tokens)
         self.counters.requests += 1
-        self._emit(ev.request_started(tags, blocks, prompt_tokens, self.clock()))
-        return blocks
+        now = self.clock()
+        self.defer(lambda: self._started(request_id, req, params, session_id, now))
+
+    def _started(
+        self,
+        request_id: str,
+        req: _Request,
+        params: Mapping[str, object] | None,
+        session_id: str | None,
+        now: float,
+    ) -> None:
+        tags = parse_request_tags(request_id, params, session_id)
+        blocks = req.blocks = req.wire_blocks()
+        req.tags = tags
+        if self.remember is not None:
+            self.remember(req.digests, blocks)
+        self.ownership.record(tags.workflow_id, blocks)
+        self._emit(ev.request_started(tags, blocks, req.prompt_tokens, now))
 
     def lookup_done(self, request_id: str, gpu_tokens: int, host_tokens: int) -> None:
         """A prefix lookup for the request (vLLM repeats it while the request waits): keep its
@@ -220,9 +252,11 @@ class ConnectorRuntime:
             self.counters.lookups += 1
         req.gpu_tokens, req.host_tokens = gpu_tokens, host_tokens
         view = self.refresh()
-        staged = view is not None and any(b in view.stage for b in req.blocks)
-        recomputed = len(req.blocks) - (gpu_tokens + host_tokens) // self.tokens_per_block
-        req.may_store = write_allowed(view, recomputed, staged)
+        recomputed = len(req.digests) - (gpu_tokens + host_tokens) // self.tokens_per_block
+        allowed = write_allowed(view, recomputed)
+        if not allowed and view is not None and view.stage:  # a staged block is always stored
+            allowed = not view.stage.isdisjoint(req.wire_blocks())
+        req.may_store = allowed
 
     def allocated(self, request_id: str) -> None:
         """vLLM gave the request its blocks: report the prefix hit (once) and trace it."""
@@ -230,29 +264,33 @@ class ConnectorRuntime:
         if req is None or req.reported or not req.looked_up:
             return
         req.reported = True
+        view = self._view
+        version = None if view is None else view.version
+        now = self.clock()
+        self.defer(lambda: self._report_hit(request_id, req, version, now))
+
+    def _report_hit(self, request_id: str, req: _Request, version: int | None, now: float) -> None:
         if not req.may_store:
             self.counters.write_declined_requests += 1
-        prompt_blocks = req.prompt_tokens // self.tokens_per_block
         hit = ev.prefix_hit(
             request_id,
-            prompt_blocks=prompt_blocks,
+            prompt_blocks=req.prompt_tokens // self.tokens_per_block,
             gpu_tokens=req.gpu_tokens,
             host_tokens=req.host_tokens,
             tokens_per_block=self.tokens_per_block,
-            ts=self.clock(),
+            ts=now,
         )
         if self.trace is not None:
-            view = self._view
             self.trace(
                 {
                     "request_id": request_id,
-                    "workflow_id": req.tags.workflow_id,
+                    "workflow_id": None if req.tags is None else req.tags.workflow_id,
                     "prompt_tokens": req.prompt_tokens,
-                    "block_hashes": req.blocks,
+                    "block_hashes": req.wire_blocks(),
                     "gpu_tokens": req.gpu_tokens,
                     "host_tokens": req.host_tokens,
                     "may_store": req.may_store,
-                    "view_version": None if view is None else view.version,
+                    "view_version": version,
                 }
             )
         self._emit(hit)
@@ -267,45 +305,76 @@ class ConnectorRuntime:
     def request_finished(
         self, request_id: str, output_tokens: int, block_hashes: Sequence[bytes] = ()
     ) -> None:
-        """The request ended; ``block_hashes`` (traced only) are all its full blocks now, the
-        ones its generated tokens completed included."""
+        """The request ended; ``block_hashes`` (traced only; a copy) are all its full blocks
+        now, the ones its generated tokens completed included."""
         req = self._requests.pop(request_id, None)
         if req is None:
             return
+        now = self.clock()
+        self.defer(lambda: self._finished(request_id, req, output_tokens, block_hashes, now))
+
+    def _finished(
+        self,
+        request_id: str,
+        req: _Request,
+        output_tokens: int,
+        block_hashes: Sequence[bytes],
+        now: float,
+    ) -> None:
         if self.trace is not None:
             full = ev.block_hash_ints(block_hashes)
             self.trace({"request_id": request_id, "finished": True, "block_hashes": full})
-        now = self.clock()
+        tags = req.tags
+        if tags is None:  # its ``started`` job was lost: nothing to finish on the daemon
+            return
         # the prompt's full blocks are now cached on the GPU (prefix caching)
-        gpu_blocks = req.blocks[: req.prompt_tokens // self.tokens_per_block]
+        gpu_blocks = req.wire_blocks()[: req.prompt_tokens // self.tokens_per_block]
         events: list[Event] = []
         if gpu_blocks:
             events.append(ev.blocks_stored("gpu", gpu_blocks, now, request_id))
-        events.extend(ev.request_finished(req.tags, output_tokens, now))
+        events.extend(ev.request_finished(tags, output_tokens, now))
         self._emit(*events)
 
     def tags(self, request_id: str) -> RequestTags | None:
+        """The request's tags, once its deferred ``started`` job has run."""
         req = self._requests.get(request_id)
         return None if req is None else req.tags
 
     # -- host and GPU tier facts -------------------------------------------------------------
+    # ``keys``: vLLM's offload keys (digest + group), a list the caller hands over; converted to
+    # wire hashes and sent by a deferred job
 
-    def host_stored(self, blocks: Sequence[int]) -> None:
-        if blocks:
-            self.counters.host_stored_blocks += len(blocks)
-            self._emit(ev.blocks_stored("host", blocks, self.clock()))
+    def host_stored(self, keys: Sequence[bytes]) -> None:
+        self._host_fact_later("stored", keys, None)
 
-    def host_removed(self, blocks: Sequence[int]) -> None:
-        if blocks:
-            self.counters.host_removed_blocks += len(blocks)
-            self._emit(ev.blocks_removed("host", blocks, self.clock()))
+    def host_removed(self, keys: Sequence[bytes]) -> None:
+        self._host_fact_later("removed", keys, None)
 
-    def host_loaded(self, blocks: Sequence[int], request_id: str | None) -> None:
-        if blocks:
-            self.counters.host_loaded_blocks += len(blocks)
-            self._emit(ev.blocks_loaded(blocks, self.clock(), request_id))
+    def host_loaded(self, keys: Sequence[bytes], request_id: str | None) -> None:
+        self._host_fact_later("loaded", keys, request_id)
+
+    def _host_fact_later(self, what: str, keys: Sequence[bytes], request_id: str | None) -> None:
+        if keys:
+            now = self.clock()
+            self.defer(lambda: self._host_fact(what, keys, request_id, now))
+
+    def _host_fact(
+        self, what: str, keys: Sequence[bytes], request_id: str | None, now: float
+    ) -> None:
+        blocks = ev.block_hash_ints(keys)
+        c = self.counters
+        if what == "stored":
+            c.host_stored_blocks += len(blocks)
+            self._emit(ev.blocks_stored("host", blocks, now))
+        elif what == "removed":
+            c.host_removed_blocks += len(blocks)
+            self._emit(ev.blocks_removed("host", blocks, now))
+        else:
+            c.host_loaded_blocks += len(blocks)
+            self._emit(ev.blocks_loaded(blocks, now, request_id))
 
     def gpu_removed(self, blocks: Sequence[int]) -> None:
         if blocks:
             self.counters.gpu_retired_evicted_blocks += len(blocks)
-            self._emit(ev.blocks_removed("gpu", blocks, self.clock()))
+            now = self.clock()
+            self.defer(lambda: self._emit(ev.blocks_removed("gpu", blocks, now)))

@@ -64,7 +64,8 @@ from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from connector.copy_plan import plan_rows
-from connector.events import block_hash_int, block_hash_ints
+from connector.deferred import Deferred, Job, immediate
+from connector.events import block_hash_int
 from connector.runtime import ConnectorRuntime, Guard, StepTimes
 from connector.trace_file import TraceFile
 from policyd.client import DaemonClient
@@ -176,9 +177,7 @@ class AgentKVManager(CPUOffloadingManager):
         out = super().prepare_store(keys, req_context)
         if rt is not None and out is not None and out.evicted_keys:
             evicted = out.evicted_keys
-            self.guard.call(
-                "host removed", lambda: rt.host_removed(block_hash_ints(list(evicted))), None
-            )
+            self.guard.call("host removed", lambda: rt.host_removed(list(evicted)), None)
         return out
 
     def _decline(self, rt: ConnectorRuntime, keys: Collection[OffloadKey]) -> None:
@@ -198,8 +197,7 @@ class AgentKVManager(CPUOffloadingManager):
         """Report the keys this completion makes ready; how many."""
         policy = self._policy
         pending = [k for k in keys if (c := policy.get(k)) is not None and not c.is_ready]
-        if pending:
-            rt.host_stored(block_hash_ints(pending))
+        rt.host_stored(pending)
         return len(pending)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
@@ -207,9 +205,7 @@ class AgentKVManager(CPUOffloadingManager):
         rt = self.runtime
         if rt is not None:
             self.guard.call(
-                "host loaded",
-                lambda: rt.host_loaded(block_hash_ints(list(keys)), req_context.req_id),
-                None,
+                "host loaded", lambda: rt.host_loaded(list(keys), req_context.req_id), None
             )
         return spec
 
@@ -631,6 +627,7 @@ class AgentKVConnector(OffloadingConnector):
         self._client: DaemonClient | None = None
         self._runtime: ConnectorRuntime | None = None
         self._trace_file: TraceFile | None = None
+        self._deferred: Deferred | None = None
         self._gpu: GpuTier | None = None
         self._block_size = vllm_config.cache_config.block_size
         self._max_pinned = self._max_ranked = 0
@@ -660,17 +657,24 @@ class AgentKVConnector(OffloadingConnector):
         self._client = client
         trace_path = extra.get("agentkv_trace_path")
         trace: Callable[[dict[str, object]], None] | None = None
-        if trace_path is not None:
+        defer: Callable[[Job], None]
+        if trace_path is not None and _flag(extra.get("agentkv_trace_tiers", False)):
+            # tier contents (small pools only) are read from vLLM's pool, on vLLM's thread: the
+            # bookkeeping stays there too
             lines = self._trace_file = TraceFile(str(trace_path))
-            if _flag(extra.get("agentkv_trace_tiers", False)):  # tier contents: small pools only
-                trace = lambda record: lines({**record, **self._tier_contents()})  # noqa: E731
-            else:
-                trace = lines
+            trace = lambda record: lines({**record, **self._tier_contents()})  # noqa: E731
+            defer = immediate
+        else:
+            if trace_path is not None:
+                trace = self._trace_file = TraceFile(str(trace_path))
+            deferred = self._deferred = Deferred()
+            defer = deferred.submit
         self._runtime = ConnectorRuntime(
             client if client is not None else _NullSink(),
             _views(client) if client is not None else _no_snapshot,
             tokens_per_block=self._block_size,
             trace=trace,
+            defer=defer,
         )
         manager = self.scheduler.manager
         if isinstance(manager, AgentKVManager):
@@ -726,6 +730,8 @@ class AgentKVConnector(OffloadingConnector):
             budget_ops=self._step_ops,
             host=self._runtime.host_order if self._runtime is not None else None,
         )
+        if self._runtime is not None:
+            self._runtime.remember = self._gpu.remember  # from the runtime's deferred jobs
 
     def on_new_request(self, request: Any) -> None:
         super().on_new_request(request)
@@ -733,19 +739,17 @@ class AgentKVConnector(OffloadingConnector):
         if rt is None:
             return
 
-        def started() -> None:
-            digests = list(request.block_hashes)  # vLLM appends to its list as tokens come
-            blocks = rt.request_started(
+        self._guard.call(
+            "request started",
+            lambda: rt.request_started(
                 request.request_id,
                 request.kv_transfer_params,
                 getattr(request, "session_id", None),
-                digests,
+                list(request.block_hashes),  # a copy: vLLM appends to its list as tokens come
                 request.num_prompt_tokens,
-            )
-            if self._gpu is not None:
-                self._gpu.remember(digests, blocks)
-
-        self._guard.call("request started", started, None)
+            ),
+            None,
+        )
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -810,13 +814,17 @@ class AgentKVConnector(OffloadingConnector):
         return super().build_connector_meta(scheduler_output)
 
     def shutdown(self) -> None:
-        rt = self._runtime
+        rt, deferred = self._runtime, self._deferred
+        if deferred is not None:
+            self._guard.call("deferred close", deferred.close, None)
         if rt is not None and rt.trace is not None:
             steps: dict[str, object] = {
                 "step_us": list(self.step_times.steps_us),
                 "step_cpu_us": list(self.step_times.steps_cpu_us),
                 "hook_cpu_us": {k: v / 1e3 for k, v in self._guard.cpu_ns_by_hook.items()},
                 "hook_calls": dict(self._guard.calls_by_hook),
+                "deferred_cpu_us": None if deferred is None else deferred.cpu_ns / 1e3,
+                "deferred_jobs": None if deferred is None else deferred.done,
             }
             self._guard.call("trace", lambda: rt.trace(steps), None)  # type: ignore[misc]
         if self._trace_file is not None:

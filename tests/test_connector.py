@@ -497,7 +497,7 @@ def test_runtime_streams_a_request_lifecycle(
         rt.allocated("r1")  # reported once, with the lookup that got it its blocks
         rt.lookup_done("r1", gpu_tokens=0, host_tokens=0)
         rt.allocated("r1")
-        rt.host_stored([3])
+        rt.host_stored(digests(3))
         rt.request_finished("r1", output_tokens=4)
         got = drain(pull, 6)
     kinds = [type(e) for e in got]
@@ -573,7 +573,7 @@ def test_host_removed_event_names_the_tier(
     pull, _, endpoints = peer
     with DaemonClient("t", endpoints) as client:
         rt = ConnectorRuntime(client, client.snapshot, tokens_per_block=32)
-        rt.host_removed([1, 2])
+        rt.host_removed(digests(1, 2))
         rt.gpu_removed([3])
         got = drain(pull, 2)
     assert [(e.tier, e.block_hashes) for e in got if isinstance(e, BlocksRemoved)] == [

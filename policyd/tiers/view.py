@@ -8,6 +8,7 @@ LRU eviction and store-everything.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -173,6 +174,10 @@ class Ownership:
         self._recounting: tuple[str, tuple[int, ...], int, int] | None = None
         self._epoch = 0  # bumps at each ``retire``: an older recount stops
         self._listed: AbstractSet[str] = frozenset()  # the newest retired list
+        # the connector records requests on its deferred-work thread while vLLM's thread
+        # recounts: every mutation runs under this lock (readers of ``dead`` and ``fresh`` only
+        # test membership and pop, which are atomic)
+        self._lock = threading.Lock()
 
     @property
     def dead(self) -> AbstractSet[int]:
@@ -180,6 +185,11 @@ class Ownership:
         return self._dead
 
     def record(self, workflow_id: str, blocks: Iterable[int]) -> None:
+        """A request of ``workflow_id`` used ``blocks``. Thread-safe against the recount."""
+        with self._lock:
+            self._record(workflow_id, blocks)
+
+    def _record(self, workflow_id: str, blocks: Iterable[int]) -> None:
         owned = self._blocks.get(workflow_id)
         if owned is None:
             owned = self._blocks[workflow_id] = set()
@@ -249,37 +259,44 @@ class Ownership:
             self._settle(block)
 
     def workflows(self) -> list[str]:
-        return list(self._blocks)
+        with self._lock:
+            return list(self._blocks)
 
     def retire(self, retired_workflows: AbstractSet[str]) -> Retirement:
         """Make ``retired_workflows`` (a snapshot's list) the retired ones. The recount happens
         as the returned ``work`` is consumed, starting with what an earlier recount left
         unfinished, so the set is never left half-counted however often lists arrive."""
-        self._epoch += 1
-        self._listed = retired_workflows
+        with self._lock:
+            self._epoch += 1
+            self._listed = retired_workflows
         return Retirement(self._dead, self._recount(retired_workflows, self._epoch), self.fresh)
 
     def _recount(self, retired_workflows: AbstractSet[str], epoch: int) -> Iterator[None]:
-        if self._recounting is not None:  # left unfinished by the previous list
-            workflow_id, blocks, done, step = self._recounting
+        with self._lock:
+            left = self._recounting
+        if left is not None:  # left unfinished by the previous list
+            workflow_id, blocks, done, step = left
             yield from self._recount_blocks(workflow_id, blocks, done, step, epoch)
             if epoch != self._epoch:
                 return
-        tracked = {w for w in retired_workflows if w in self._blocks}
-        changes = [(w, +1) for w in tracked - self._retired_workflows]
-        changes += [(w, -1) for w in self._retired_workflows - tracked]
+        with self._lock:
+            tracked = {w for w in retired_workflows if w in self._blocks}
+            changes = [(w, +1) for w in tracked - self._retired_workflows]
+            changes += [(w, -1) for w in self._retired_workflows - tracked]
         yield None
         for workflow_id, step in changes:
-            if epoch != self._epoch:
-                return  # a newer list superseded this one
-            owned = self._blocks.get(workflow_id)
-            if owned is None or (workflow_id in self._retired_workflows) == (step > 0):
-                continue  # forgotten, or already counted meanwhile
-            if step > 0:
-                self._retired_workflows.add(workflow_id)
-            else:
-                self._retired_workflows.discard(workflow_id)
-            yield from self._recount_blocks(workflow_id, tuple(owned), 0, step, epoch)
+            with self._lock:
+                if epoch != self._epoch:
+                    return  # a newer list superseded this one
+                owned = self._blocks.get(workflow_id)
+                if owned is None or (workflow_id in self._retired_workflows) == (step > 0):
+                    continue  # forgotten, or already counted meanwhile
+                if step > 0:
+                    self._retired_workflows.add(workflow_id)
+                else:
+                    self._retired_workflows.discard(workflow_id)
+                blocks = tuple(owned)
+            yield from self._recount_blocks(workflow_id, blocks, 0, step, epoch)
 
     def _recount_blocks(
         self, workflow_id: str, blocks: tuple[int, ...], start: int, step: int, epoch: int
@@ -287,12 +304,14 @@ class Ownership:
         """Count ``blocks[start:]`` of one workflow, a chunk per item. ``_recounting`` always
         says what is left, so a newer list (or forgetting the workflow) can take over."""
         for done in range(start, len(blocks), RECOUNT_CHUNK):
-            self._recounting = (workflow_id, blocks, done, step)
+            with self._lock:
+                self._recounting = (workflow_id, blocks, done, step)
             yield None
-            if epoch != self._epoch or self._recounting is None:
-                return  # a newer list continues it, or it was completed (forgotten)
-            self._recounting = None
-            self._count_retired(blocks[done : done + RECOUNT_CHUNK], step)
+            with self._lock:
+                if epoch != self._epoch or self._recounting is None:
+                    return  # a newer list continues it, or it was completed (forgotten)
+                self._recounting = None
+                self._count_retired(blocks[done : done + RECOUNT_CHUNK], step)
 
     def retired_blocks(self, retired_workflows: AbstractSet[str]) -> AbstractSet[int]:
         """``retire`` with the whole recount done now; the live retired set."""
