@@ -3,16 +3,17 @@
 vLLM's thread only appends a job (a closure over facts it already holds: ids, digests, counts,
 timestamps); this thread runs the jobs in the order they were handed over, so everything they
 emit reaches the daemon in the order vLLM's hooks saw it. A job that raises loses only itself
-(counted, logged at most once per interval); a full queue drops the job (counted). ``immediate``
+(counted as failed and done, logged at most once per interval); a full queue drops the job
+(counted). ``immediate``
 runs a job at once on the caller's thread: the simulator's and unit tests' setting.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Final
 
@@ -33,47 +34,35 @@ class Deferred:
 
     def __init__(self, name: str = "agentkv-deferred", max_jobs: int = MAX_QUEUED_JOBS) -> None:
         self.max_jobs = max_jobs
+        self.submitted = 0
         self.failed = 0
         self.dropped = 0
         self.done = 0
         self.cpu_ns = 0  # this thread's CPU time in jobs: the work taken off vLLM's thread
-        self._jobs: deque[Job] = deque()
-        self._wake = threading.Condition(threading.Lock())
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()  # C-level put and wake
         self._closed = False
-        self._idle = threading.Event()
-        self._idle.set()
         self._last_log_s = -LOG_INTERVAL_S
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        if self._closed or len(self._jobs) >= self.max_jobs:
+        if self._closed or self._jobs.qsize() >= self.max_jobs:
             self.dropped += 1
             return
-        with self._wake:
-            self._jobs.append(job)
-            self._wake.notify()
+        self.submitted += 1
+        self._jobs.put(job)
 
     def _run(self) -> None:
         jobs = self._jobs
-        while True:
-            with self._wake:
-                while not jobs and not self._closed:
-                    self._idle.set()
-                    self._wake.wait(1.0)
-                self._idle.clear()
-                if not jobs and self._closed:
-                    self._idle.set()
-                    return
+        while (job := jobs.get()) is not None:
             c0 = time.thread_time_ns()
-            while jobs:
-                self._run_one(jobs.popleft())
+            self._run_one(job)
             self.cpu_ns += time.thread_time_ns() - c0
+            time.sleep(0)  # releases the GIL between jobs: a waiting vLLM thread goes first
 
     def _run_one(self, job: Job) -> None:
         try:
             job()
-            self.done += 1
         except Exception as exc:  # a job never stops the ones after it
             self.failed += 1
             now = time.monotonic()
@@ -82,11 +71,14 @@ class Deferred:
                 log.warning(
                     "agentkv connector: deferred work failed (%r); %d so far", exc, self.failed
                 )
+        finally:
+            self.done += 1
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every job handed over so far has run; False on timeout."""
+        target = self.submitted
         deadline = time.monotonic() + timeout_s
-        while self._jobs or not self._idle.is_set():
+        while self.done < target:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.0005)
@@ -94,7 +86,7 @@ class Deferred:
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Run what is queued (for at most ``timeout_s``), then stop the thread."""
-        with self._wake:
+        if not self._closed:
             self._closed = True
-            self._wake.notify()
+            self._jobs.put(None)
         self._thread.join(timeout_s)

@@ -180,6 +180,9 @@ class Run:
     step_cpu_us: list[float] = field(default_factory=list)  # the same, its thread's CPU time
     hook_cpu_us: dict[str, float] = field(default_factory=dict)  # that CPU time, by hook
     hook_calls: dict[str, int] = field(default_factory=dict)
+    deferred_cpu_us: float = 0.0  # the bookkeeping moved off vLLM's thread: its thread's CPU
+    deferred_jobs: int = 0
+    worst_steps: list[dict[str, Any]] = field(default_factory=list)  # costliest, by hook
 
     @property
     def recomputed_tokens(self) -> int:
@@ -462,6 +465,9 @@ def run_record(r: Run) -> dict[str, Any]:
         **_step_percentiles(r.step_cpu_us, "connector_step_cpu"),
         "hook_cpu_us": {k: round(v, 1) for k, v in r.hook_cpu_us.items()},
         "hook_calls": r.hook_calls,
+        "deferred_cpu_us": round(r.deferred_cpu_us, 1),
+        "deferred_jobs": r.deferred_jobs,
+        "worst_steps": r.worst_steps,
     }
 
 
@@ -518,6 +524,32 @@ def hooks_table(records: Sequence[dict[str, Any]]) -> str:
             share = us / whole
             cells.append(f" | {n}, {us / n if n else 0.0:.1f}, {share:.0%}")
         lines.append(hook + "".join(cells))
+    off = [(r.get("deferred_jobs", 0), r.get("deferred_cpu_us", 0.0)) for r in traced]
+    lines.append(
+        "(off vLLM's thread: deferred jobs)"
+        + "".join(f" | {n}, {us / n if n else 0.0:.1f}, -" for n, us in off)
+    )
+    return "\n".join(lines)
+
+
+def worst_steps_table(records: Sequence[dict[str, Any]]) -> str:
+    """The costliest scheduler steps of each run (the connector keeps 64): their CPU us, and
+    the hooks that made it, as calls' CPU us summed over those steps, heaviest first."""
+    lines = []
+    for r in records:
+        worst = r.get("worst_steps") or []
+        if not worst:
+            continue
+        by_hook: dict[str, float] = {}
+        for step in worst:
+            for hook, us in step["by_hook_us"].items():
+                by_hook[hook] = by_hook.get(hook, 0.0) + us / len(worst)
+        cpu = [step["cpu_us"] for step in worst]
+        top = ", ".join(f"{h} {us:.0f}" for h, us in sorted(by_hook.items(), key=lambda x: -x[1]))
+        lines.append(
+            f"{r['run']}: the {len(worst)} costliest steps, {min(cpu):.0f}-{max(cpu):.0f} us; "
+            f"mean us a step by hook: {top}"
+        )
     return "\n".join(lines)
 
 
@@ -573,6 +605,9 @@ def _in_process(args: argparse.Namespace) -> list[Run]:
                 for t in lines:
                     run.hook_cpu_us.update(t.get("hook_cpu_us", {}))
                     run.hook_calls.update(t.get("hook_calls", {}))
+                    run.deferred_cpu_us += t.get("deferred_cpu_us") or 0.0
+                    run.deferred_jobs += t.get("deferred_jobs") or 0
+                    run.worst_steps += t.get("worst_steps") or []
             runs.append(run)
             print(
                 f"[replay] {name}: {run.requests} requests in {run.wall_s:.1f} s", file=sys.stderr
@@ -718,6 +753,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hooks = hooks_table(records)
     if hooks:
         print("\nthe connector's CPU time on vLLM's thread, by hook\n" + hooks)
+        print(worst_steps_table(records))
     same = all(r.outputs == runs[0].outputs for r in runs)
     if len(runs) > 1:
         print(f"generated tokens identical across runs: {'yes' if same else 'NO'}")

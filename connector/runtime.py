@@ -10,6 +10,8 @@ counts what it caught and logs it at most once per interval.
 
 from __future__ import annotations
 
+import gc
+import heapq
 import logging
 import time
 from collections import deque
@@ -36,8 +38,31 @@ class EventSink(Protocol):
     def send_many(self, events: Sequence[Event]) -> int: ...
 
 
+class GcClock:
+    """Wall time spent in Python's cyclic collector, process-wide (``gc.callbacks``). The
+    collector runs on whichever thread allocates past its threshold, so a pause can land inside
+    a hook; ``Guard`` reports that part apart from the hook's own time."""
+
+    def __init__(self) -> None:
+        self.total_ns = 0
+        self._started_ns = 0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started_ns = time.perf_counter_ns()
+        elif self._started_ns:
+            self.total_ns += time.perf_counter_ns() - self._started_ns
+            self._started_ns = 0
+
+
+GC_CLOCK: Final = GcClock()
+GC_HOOK: Final = "(collector pauses inside hooks)"
+
+
 class Guard:
-    """Runs a hook; an exception becomes ``default``, a count and a rate-limited log line."""
+    """Runs a hook; an exception becomes ``default``, a count and a rate-limited log line.
+    Its time is counted per hook, less any collector pause inside it (counted as ``GC_HOOK``)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
@@ -49,6 +74,7 @@ class Guard:
         self.calls_by_hook: dict[str, int] = {}
 
     def call(self, what: str, fn: Callable[[], T], default: T) -> T:
+        g0 = GC_CLOCK.total_ns
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         try:
             return fn()
@@ -68,26 +94,54 @@ class Guard:
             self.spent_ns += time.perf_counter_ns() - t0
             cpu = time.thread_time_ns() - c0
             self.cpu_ns += cpu
+            paused = GC_CLOCK.total_ns - g0  # (another thread's collection may land here too)
+            if paused:
+                paused = min(paused, cpu)
+                self.cpu_ns_by_hook[GC_HOOK] = self.cpu_ns_by_hook.get(GC_HOOK, 0) + paused
+                self.calls_by_hook[GC_HOOK] = self.calls_by_hook.get(GC_HOOK, 0) + 1
+                cpu -= paused
             self.cpu_ns_by_hook[what] = self.cpu_ns_by_hook.get(what, 0) + cpu
             self.calls_by_hook[what] = self.calls_by_hook.get(what, 0) + 1
 
 
 class StepTimes:
     """AgentKV's time per vLLM scheduler step (us), wall and CPU: what a ``Guard`` spent since
-    the previous step closed. Keeps the newest ``keep`` steps."""
+    the previous step closed. Keeps the newest ``keep`` steps, and for the ``worst`` costliest
+    steps (CPU) where their time went, hook by hook."""
 
-    def __init__(self, guard: Guard, keep: int = 200_000) -> None:
+    def __init__(self, guard: Guard, keep: int = 200_000, worst: int = 64) -> None:
         self.guard = guard
         self.steps_us: deque[float] = deque(maxlen=keep)
         self.steps_cpu_us: deque[float] = deque(maxlen=keep)
+        self.worst = worst
+        self._worst: list[tuple[float, int, dict[str, int]]] = []  # a min-heap on CPU us
         self._mark_ns = guard.spent_ns
         self._mark_cpu_ns = guard.cpu_ns
+        self._mark_by_hook = dict(guard.cpu_ns_by_hook)
 
     def close_step(self) -> None:
         spent, cpu = self.guard.spent_ns, self.guard.cpu_ns
+        cpu_us = (cpu - self._mark_cpu_ns) / 1e3
         self.steps_us.append((spent - self._mark_ns) / 1e3)
-        self.steps_cpu_us.append((cpu - self._mark_cpu_ns) / 1e3)
+        self.steps_cpu_us.append(cpu_us)
         self._mark_ns, self._mark_cpu_ns = spent, cpu
+        by_hook = self.guard.cpu_ns_by_hook
+        if len(self._worst) < self.worst or cpu_us > self._worst[0][0]:
+            mark = self._mark_by_hook
+            hooks = {h: d for h, ns in by_hook.items() if (d := ns - mark.get(h, 0))}
+            entry = (cpu_us, len(self.steps_cpu_us), hooks)
+            if len(self._worst) < self.worst:
+                heapq.heappush(self._worst, entry)
+            else:
+                heapq.heapreplace(self._worst, entry)
+        self._mark_by_hook = dict(by_hook)
+
+    def worst_steps(self) -> list[dict[str, object]]:
+        """The costliest steps, costliest first: CPU us, and CPU us by hook."""
+        return [
+            {"cpu_us": round(cpu_us, 1), "by_hook_us": {h: ns / 1e3 for h, ns in hooks.items()}}
+            for cpu_us, _, hooks in sorted(self._worst, reverse=True)
+        ]
 
 
 @dataclass(slots=True)
@@ -340,6 +394,11 @@ class ConnectorRuntime:
         req = self._requests.get(request_id)
         return None if req is None else req.tags
 
+    def release(self, entries: list[Any]) -> None:
+        """Free a large list off vLLM's thread (the host order's replaced heap): a deferred job
+        deletes it a chunk at a time, letting vLLM's thread take the GIL between chunks."""
+        self.defer(lambda: _free_in_chunks(entries))
+
     # -- host and GPU tier facts -------------------------------------------------------------
     # ``keys``: vLLM's offload keys (digest + group), a list the caller hands over; converted to
     # wire hashes and sent by a deferred job
@@ -378,3 +437,12 @@ class ConnectorRuntime:
             self.counters.gpu_retired_evicted_blocks += len(blocks)
             now = self.clock()
             self.defer(lambda: self._emit(ev.blocks_removed("gpu", blocks, now)))
+
+
+FREE_CHUNK: Final = 256  # list entries freed between two chances for vLLM's thread to run
+
+
+def _free_in_chunks(entries: list[Any]) -> None:
+    while entries:
+        del entries[-FREE_CHUNK:]
+        time.sleep(0)  # releases the GIL: a waiting vLLM thread goes first

@@ -98,6 +98,9 @@ class ScoredCachePolicy(CachePolicy):
         super().__init__(cache_capacity)
         self.chunks: dict[OffloadKey, ChunkStatus] = {}
         self.order: HostOrder[OffloadKey] = HostOrder(block_hash_int)
+        # while the manager completes a store: the keys vLLM marks evictable, i.e. the ones that
+        # store made ready (``CPUOffloadingManager.complete_store``'s own rule)
+        self.ready: list[OffloadKey] | None = None
 
     def get(self, key: OffloadKey) -> ChunkStatus | None:
         return self.chunks.get(key)
@@ -136,6 +139,8 @@ class ScoredCachePolicy(CachePolicy):
 
     def mark_evictable(self, key: OffloadKey) -> None:
         self.order.mark_evictable(key)
+        if self.ready is not None:
+            self.ready.append(key)
 
     def mark_non_evictable(self, key: OffloadKey) -> None:
         self.order.mark_non_evictable(key)
@@ -162,7 +167,8 @@ class AgentKVManager(CPUOffloadingManager):
 
     def attach(self, runtime: ConnectorRuntime) -> None:
         self.runtime = runtime
-        runtime.host_order = self.scored_policy.order
+        order = runtime.host_order = self.scored_policy.order
+        order.release = runtime.release
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
@@ -189,16 +195,15 @@ class AgentKVManager(CPUOffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
         rt = self.runtime
-        if success and rt is not None:  # reported before vLLM marks them ready: still pending
-            self.stored_keys += self.guard.call("host stored", lambda: self._stored(rt, keys), 0)
-        super().complete_store(keys, req_context, success)
-
-    def _stored(self, rt: ConnectorRuntime, keys: Collection[OffloadKey]) -> int:
-        """Report the keys this completion makes ready; how many."""
-        policy = self._policy
-        pending = [k for k in keys if (c := policy.get(k)) is not None and not c.is_ready]
-        rt.host_stored(pending)
-        return len(pending)
+        policy = self.scored_policy
+        policy.ready = [] if success and rt is not None else None
+        try:
+            super().complete_store(keys, req_context, success)
+        finally:
+            ready, policy.ready = policy.ready, None
+        if ready and rt is not None:  # the keys this completion made ready
+            self.stored_keys += len(ready)
+            self.guard.call("host stored", lambda: rt.host_stored(ready), None)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         spec = super().prepare_load(keys, req_context)
@@ -569,16 +574,26 @@ class GpuTier:
         """A scheduler step ended: the next one gets a whole budget."""
         self.budget.new_step()
 
-    def apply(
-        self, rt: ConnectorRuntime, request: Any = None, num_computed_tokens: int = 0
-    ) -> list[int]:
-        """At a prefix lookup: adopt the runtime's view if it changed, then spend what is left
-        of this scheduler step's budget (never retiring the request's counted prefix hit); the
-        blocks the retire rule evicted."""
+    def adopt(self, rt: ConnectorRuntime) -> None:
+        """At a prefix lookup, first: adopt the runtime's view if it changed."""
         rt.refresh()
         if rt.generation != self._applied_generation:
             self._applied_generation = rt.generation
             self.budget.adopt(rt.view, rt.retirement)
+
+    def apply(
+        self, rt: ConnectorRuntime, request: Any = None, num_computed_tokens: int = 0
+    ) -> list[int]:
+        """At a prefix lookup: ``adopt``, then ``plan``."""
+        self.adopt(rt)
+        return self.plan(rt, request, num_computed_tokens)
+
+    def plan(
+        self, rt: ConnectorRuntime, request: Any = None, num_computed_tokens: int = 0
+    ) -> list[int]:
+        """At a prefix lookup, after ``adopt``: spend what is left of this scheduler step's
+        budget (never retiring the request's counted prefix hit); the blocks the retire rule
+        evicted."""
         if not self.budget.busy:
             return []
         hit: AbstractSet[int] = frozenset()
@@ -763,8 +778,9 @@ class AgentKVConnector(OffloadingConnector):
             # the request (the simulator steps them at the same point); then pins yield if the
             # request needs their room
             no_change: list[int] = []
+            self._guard.call("gpu adopt", lambda: gpu.adopt(rt), None)
             self._guard.call(
-                "gpu decisions", lambda: gpu.apply(rt, request, num_computed_tokens), no_change
+                "gpu decisions", lambda: gpu.plan(rt, request, num_computed_tokens), no_change
             )
             self._guard.call("make room", lambda: gpu.make_room(request, num_computed_tokens), None)
         if rt is not None and result[0] is not None:
@@ -823,6 +839,7 @@ class AgentKVConnector(OffloadingConnector):
                 "step_cpu_us": list(self.step_times.steps_cpu_us),
                 "hook_cpu_us": {k: v / 1e3 for k, v in self._guard.cpu_ns_by_hook.items()},
                 "hook_calls": dict(self._guard.calls_by_hook),
+                "worst_steps": self.step_times.worst_steps(),
                 "deferred_cpu_us": None if deferred is None else deferred.cpu_ns / 1e3,
                 "deferred_jobs": None if deferred is None else deferred.done,
             }

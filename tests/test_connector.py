@@ -414,6 +414,23 @@ def test_a_budgeted_rekey_walk_keeps_evictions_in_priority_order(seed: int) -> N
     assert not order.rekeying
 
 
+def test_a_compacted_heap_goes_to_release_and_the_order_is_unchanged() -> None:
+    """Touches leave stale heap entries; the compaction that drops them hands the replaced
+    heap to ``release`` (the connector frees it off vLLM's thread), costing no unit for it."""
+    order: HostOrder[int] = HostOrder(lambda k: k)
+    released: list[int] = []
+    order.release = lambda heap: released.append(len(heap))
+    for key in range(50):
+        order.insert(key, evictable=True)
+    for _ in range(6):
+        order.touch(range(50))
+    before = order.peek_order()
+    assert order.rekeying  # 350 entries for 50 keys: a compaction is due
+    used = order.rekey(None)
+    assert used == 25  # two keys a unit, nothing for the freeing
+    assert released == [350] and order.peek_order() == before and not order.rekeying
+
+
 def test_evict_is_atomic() -> None:
     order: HostOrder[int] = HostOrder(lambda k: k)
     for key in range(3):

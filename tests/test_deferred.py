@@ -41,7 +41,7 @@ def test_jobs_run_in_order_off_the_callers_thread_and_a_failure_loses_only_itsel
     worker.close()
     assert [i for i, _ in seen] == [i for i in range(100) if i != 3]
     assert {name for _, name in seen} == {"agentkv-deferred"}
-    assert (worker.done, worker.failed, worker.dropped) == (99, 1, 0)
+    assert (worker.done, worker.failed, worker.dropped) == (100, 1, 0)
 
 
 def test_a_full_queue_drops_without_blocking_and_close_runs_what_is_queued() -> None:
@@ -53,7 +53,7 @@ def test_a_full_queue_drops_without_blocking_and_close_runs_what_is_queued() -> 
         gate.wait()
 
     worker.submit(hold)
-    assert _eventually(lambda: not worker._jobs)
+    assert _eventually(lambda: worker._jobs.qsize() == 0)
     for i in range(10):
         worker.submit(lambda i=i: ran.append(i))  # type: ignore[misc]
     assert worker.dropped == 6
@@ -165,3 +165,13 @@ def test_immediate_runs_on_the_callers_thread() -> None:
     ran: list[str] = []
     immediate(lambda: ran.append(threading.current_thread().name))
     assert ran == [threading.current_thread().name]
+
+
+def test_release_frees_a_list_on_the_deferred_thread() -> None:
+    worker = Deferred()
+    rt = ConnectorRuntime(ListSink(), lambda: None, tokens_per_block=32, defer=worker.submit)
+    heap = [(i, str(i)) for i in range(10_000)]
+    rt.release(heap)
+    assert worker.flush(10.0)
+    worker.close()
+    assert heap == [] and worker.failed == 0

@@ -14,8 +14,8 @@ connector's per-step budget (the simulator calls it at the same points). A key t
 reached keeps its previous priority; one inserted or touched meanwhile gets the new one. Stale
 heap entries (a key re-keyed or touched leaves its old one behind) are dropped by a compaction
 pass of the same kind, which builds a fresh heap beside the live one and swaps it in; the old
-heap is then freed a chunk at a time. ``evict`` is atomic: ``None`` and no change when it
-cannot take exactly ``n`` unprotected keys.
+heap goes to ``release`` (the connector frees it off vLLM's thread). ``evict`` is atomic:
+``None`` and no change when it cannot take exactly ``n`` unprotected keys.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
-from typing import Final, Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 from policyd.tiers.view import SnapshotView
 
@@ -32,7 +32,6 @@ Priority = tuple[int, float, int]
 
 RETIRED, NORMAL, STAGED = 0, 1, 2
 REKEY_CHUNK: Final = 2  # keys re-keyed per unit of work (about one GPU move's cost)
-TRASH_CHUNK: Final = 256  # entries of a replaced heap freed per unit of work
 STALE_FACTOR: Final = 3  # a compaction pass starts once the heap holds this many entries a key
 
 
@@ -57,7 +56,10 @@ class HostOrder(Generic[K]):
         self._next_heap: list[tuple[Priority, K]] | None = None
         self._cursor = 0
         self._owed = False
-        self._trash: list[list[tuple[Priority, K]]] = []  # replaced heaps, freed a chunk a unit
+        # what becomes of a heap a compaction replaced: freeing tens of thousands of entries
+        # is the costliest thing here, so the connector hands it to a thread of its own
+        # (``ConnectorRuntime.release``); by default it is dropped at once
+        self.release: Callable[[list[tuple[Priority, K]]], None] = _drop
 
     def __len__(self) -> int:
         return len(self._rank)
@@ -75,12 +77,11 @@ class HostOrder(Generic[K]):
 
     @property
     def rekeying(self) -> bool:
-        """Work is pending: a walk under way or owed, or a replaced heap still to free."""
+        """Work is pending: a walk under way or owed, or a compaction under way or due."""
         return (
             self._owed
             or self._walking
             or self._next_heap is not None
-            or bool(self._trash)
             or len(self._heap) > STALE_FACTOR * len(self._prio) + 64
         )
 
@@ -97,12 +98,7 @@ class HostOrder(Generic[K]):
         """Perform up to ``units`` units of pending work (all when None); the units used."""
         used = 0
         while units is None or used < units:
-            if self._trash:
-                trash = self._trash[-1]
-                del trash[-TRASH_CHUNK:]
-                if not trash:
-                    self._trash.pop()
-            elif self._walking:
+            if self._walking:
                 self._walk_chunk()
             elif self._next_heap is not None:
                 self._compact_chunk()
@@ -139,7 +135,7 @@ class HostOrder(Generic[K]):
 
     def _compact_chunk(self) -> None:
         """Copy the next ``REKEY_CHUNK`` slots' current entries into the fresh heap; at the end
-        it replaces the live one, which is freed a chunk at a time."""
+        it replaces the live one, which goes to ``release``."""
         nxt = self._next_heap
         assert nxt is not None
         slots, prio = self._slots, self._prio
@@ -150,8 +146,8 @@ class HostOrder(Generic[K]):
                 heapq.heappush(nxt, (prio[key], key))
         self._cursor = end
         if end >= len(slots):
-            self._trash.append(self._heap)
-            self._heap, self._next_heap = nxt, None
+            old, self._heap, self._next_heap = self._heap, nxt, None
+            self.release(old)
 
     def _priority(self, key: K) -> Priority:
         view = self._view
@@ -215,7 +211,6 @@ class HostOrder(Generic[K]):
         self._slot_of.clear()
         self._free_slots.clear()
         self._next_heap, self._cursor, self._owed, self._walking = None, 0, False, False
-        self._trash.clear()
         self._next_rank = 0
 
     def mark_evictable(self, key: K) -> None:
@@ -270,3 +265,7 @@ class HostOrder(Generic[K]):
     def peek_order(self) -> list[K]:
         """Every evictable key, first victim first (tests and debugging; O(n log n))."""
         return [k for _, k in sorted((p, k) for k, p in self._prio.items())]
+
+
+def _drop(entries: list[Any]) -> None:
+    """The default ``HostOrder.release``: let the caller's reference go."""
