@@ -160,6 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     guard.add_argument("args", nargs=argparse.REMAINDER)
+    matrix = sub.add_parser(
+        "matrix",
+        help="agentkv against every baseline and the bound on every workload (policyd matrix -h)",
+        add_help=False,
+    )
+    matrix.add_argument("args", nargs=argparse.REMAINDER)
     cli_history.add_parsers(sub)
     cli_daemon.add_parsers(sub)
     return parser
@@ -233,6 +239,10 @@ def _trace(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["matrix"]:  # its own parser, as bench-guard's
+        from policyd.matrix import main as matrix  # noqa: PLC0415
+
+        return matrix(argv[1:])
     if argv[:1] == ["bench-guard"]:  # its own parser: flags pass through unparsed here
         from policyd.guard_cost import main as bench_guard  # noqa: PLC0415
 
