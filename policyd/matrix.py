@@ -36,6 +36,7 @@ from typing import Any, Final
 from rich.console import Console
 from rich.table import Table
 
+from policyd.bench import STREAM_PARAMS
 from policyd.sim.replay import SimConfig, simulate
 from policyd.traces import detect_format, load_trace
 from policyd.workload import Workload
@@ -48,16 +49,6 @@ GPU_MULTIPLES: Final = (1, 2, 4)  # of the largest request's blocks
 BLOCK_TOKENS: Final = SimConfig().block_tokens
 LRU_TOLERANCE: Final = 0.005  # "at or above LRU" within this fraction
 BOUND_GOAL: Final = 0.9  # of the bound, at the most contended points
-# the parameter each generator takes for its number of streams (workflows, tasks, chats)
-STREAM_PARAMS: Final = {
-    "fact-checking": "workflows",
-    "code-writing": "workflows",
-    "financial": "workflows",
-    "synthetic": "workflows",
-    "coding-pool": "tasks",
-    "mixed": "streams",
-    "group-chat": "chats",
-}
 
 
 @dataclass(frozen=True, slots=True)

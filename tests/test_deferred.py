@@ -5,8 +5,7 @@ from __future__ import annotations
 import random
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 
@@ -14,6 +13,7 @@ from connector.deferred import Deferred, immediate
 from connector.runtime import ConnectorRuntime
 from policyd.tiers.view import Ownership
 from policyd.types import Event
+from tests.peers import wait_for
 from tests.test_connector import ReferenceOwnership, digests
 
 
@@ -53,7 +53,7 @@ def test_a_full_queue_drops_without_blocking_and_close_runs_what_is_queued() -> 
         gate.wait()
 
     worker.submit(hold)
-    assert _eventually(lambda: worker._jobs.qsize() == 0)
+    assert wait_for(lambda: worker._jobs.qsize() == 0)
     for i in range(10):
         worker.submit(lambda i=i: ran.append(i))  # type: ignore[misc]
     assert worker.dropped == 6
@@ -62,15 +62,6 @@ def test_a_full_queue_drops_without_blocking_and_close_runs_what_is_queued() -> 
     assert ran == [0, 1, 2, 3]
     worker.submit(lambda: ran.append(99))  # after close: dropped, not run
     assert worker.dropped == 7 and ran == [0, 1, 2, 3]
-
-
-def _eventually(cond: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.001)
-    return False
 
 
 def _lifecycle(rt: ConnectorRuntime) -> None:
