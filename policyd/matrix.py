@@ -300,7 +300,7 @@ def plot(results: Sequence[PointResult], path: str, command: str) -> None:
     ax.axhline(1 - LRU_TOLERANCE, color="grey", linestyle="--", linewidth=0.8)
     ax.set_xticks(range(len(labels)), labels, rotation=25, ha="right", fontsize=8)
     ax.set_ylabel("agentkv hit rate / LRU's")
-    ax.set_title("agentkv vs LRU at every point (squares: GPU only; circles: with a host tier)")
+    ax.set_title("agentkv / LRU per point and seed (squares: GPU only; circles: host)", fontsize=9)
     fig.text(0.01, 0.01, command, fontsize=6, color="grey")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
