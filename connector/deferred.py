@@ -4,8 +4,8 @@ vLLM's thread only appends a job (a closure over facts it already holds: ids, di
 timestamps); this thread runs the jobs in the order they were handed over, so everything they
 emit reaches the daemon in the order vLLM's hooks saw it. A job that raises loses only itself
 (counted as failed and done, logged at most once per interval); a full queue drops the job
-(counted). ``immediate``
-runs a job at once on the caller's thread: the simulator's and unit tests' setting.
+(counted). ``immediate`` runs a job at once on the caller's thread: the simulator's and unit
+tests' setting.
 """
 
 from __future__ import annotations

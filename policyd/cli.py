@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -53,6 +54,16 @@ def _workloads(text: str) -> list[str]:
             f"({', '.join(sorted(WORKLOADS))}) nor an existing trace path"
         )
     return items
+
+
+# subcommands with a parser of their own (their module's ``main``), imported only when run
+OWN_PARSERS: dict[str, tuple[str, str]] = {
+    "bench-guard": ("policyd.guard_cost", "the recency guard's cost per event beside the engine's"),
+    "matrix": (
+        "policyd.matrix",
+        "agentkv against every baseline and the bound on every workload",
+    ),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,18 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     tput.add_argument("--refs", type=int, default=1_000_000, help="trace size in block references")
     tput.add_argument("--concurrency", type=int, default=16)
     tput.add_argument("--seed", type=int, default=0)
-    guard = sub.add_parser(
-        "bench-guard",
-        help="the recency guard's cost per event beside the engine's (policyd bench-guard -h)",
-        add_help=False,
-    )
-    guard.add_argument("args", nargs=argparse.REMAINDER)
-    matrix = sub.add_parser(
-        "matrix",
-        help="agentkv against every baseline and the bound on every workload (policyd matrix -h)",
-        add_help=False,
-    )
-    matrix.add_argument("args", nargs=argparse.REMAINDER)
+    for name, (_, what) in OWN_PARSERS.items():
+        own = sub.add_parser(name, help=f"{what} (policyd {name} -h)", add_help=False)
+        own.add_argument("args", nargs=argparse.REMAINDER)
     cli_history.add_parsers(sub)
     cli_daemon.add_parsers(sub)
     return parser
@@ -239,14 +241,10 @@ def _trace(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["matrix"]:  # its own parser, as bench-guard's
-        from policyd.matrix import main as matrix  # noqa: PLC0415
-
-        return matrix(argv[1:])
-    if argv[:1] == ["bench-guard"]:  # its own parser: flags pass through unparsed here
-        from policyd.guard_cost import main as bench_guard  # noqa: PLC0415
-
-        return bench_guard(argv[1:])
+    if argv and argv[0] in OWN_PARSERS:  # its own parser: flags pass through unparsed here
+        module = importlib.import_module(OWN_PARSERS[argv[0]][0])
+        code: int = module.main(argv[1:])
+        return code
     args = build_parser().parse_args(argv)
     commands = {"bench": _bench, "throughput": _throughput, "trace": _trace}
     commands.update(cli_history.COMMANDS)

@@ -39,7 +39,7 @@ from rich.console import Console
 from rich.table import Table
 
 from policyd.bench import STREAM_PARAMS
-from policyd.sim.replay import SimConfig, simulate
+from policyd.sim.replay import SimConfig, computed_tokens, simulate
 from policyd.traces import READERS, detect_format, load_trace
 from policyd.workload import Workload
 from policyd.workloads import WORKLOADS, make_workload
@@ -107,13 +107,10 @@ def _single_requests(path: str) -> bool:
 
 
 def largest_request(work: Workload, block_tokens: int = BLOCK_TOKENS) -> int:
-    """The GPU blocks the workload's largest request holds while it runs: its prompt and every
-    generated token but the last (the simulator's and vLLM's allocation)."""
-    return max(
-        -(-(call.prompt_tokens + max(0, call.output_tokens - 1)) // block_tokens)
-        for stream in work.streams
-        for call in stream
-    )
+    """The GPU blocks the workload's largest request holds while it runs (its computed tokens,
+    ``policyd.sim.replay.computed_tokens``, in blocks)."""
+    calls = (call for stream in work.streams for call in stream)
+    return max(-(-computed_tokens(call) // block_tokens) for call in calls)
 
 
 def points_of(source: Source, works: Sequence[Workload], seeds: Sequence[int]) -> list[Point]:

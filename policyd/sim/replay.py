@@ -355,9 +355,7 @@ class Simulator:
             self._issue(stream_index, stream[i], i)
 
     def _issue(self, stream_index: int, call: Call, index: int) -> None:
-        # vLLM computes KV for the prompt and every generated token but the last (sampled, never
-        # fed back): those are the slots it allocates and the full blocks it caches
-        total_tokens = call.prompt_tokens + max(0, call.output_tokens - 1)
+        total_tokens = computed_tokens(call)
         physical = -(-total_tokens // self.block_tokens)
         n_out = total_tokens // self.block_tokens - len(call.block_hashes)
         output = call.output_block_hashes[:n_out]
@@ -608,6 +606,13 @@ class Simulator:
 
 
 # ---- running policies ----------------------------------------------------------------------------
+
+
+def computed_tokens(call: Call) -> int:
+    """The tokens vLLM computes KV for: the prompt and every generated token but the last
+    (sampled, never fed back). Those are the slots it allocates while the call runs (their
+    blocks, rounded up) and the full blocks it caches."""
+    return call.prompt_tokens + max(0, call.output_tokens - 1)
 
 
 def _order_of(report: Report, workload: Workload) -> list[tuple[str, Sequence[int]]]:
