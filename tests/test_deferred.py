@@ -53,7 +53,7 @@ def test_a_full_queue_drops_without_blocking_and_close_runs_what_is_queued() -> 
         gate.wait()
 
     worker.submit(hold)
-    assert wait_for(lambda: worker._jobs.qsize() == 0)
+    assert wait_for(lambda: not worker._jobs)
     for i in range(10):
         worker.submit(lambda i=i: ran.append(i))  # type: ignore[misc]
     assert worker.dropped == 6
