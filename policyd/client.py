@@ -61,6 +61,10 @@ class DaemonClient:
         self.compile_snapshot = compile_snapshot
         self._compiled: object | None = None
         self._retired_compiled: object | None = None
+        # (snapshot, compiled, received), replaced whole by the subscriber thread: ``compiled``
+        # reads it without the lock (one attribute read is atomic), so vLLM's thread never
+        # waits for the sender thread, which holds the lock while it builds a batch
+        self._newest: tuple[PolicySnapshot | None, object | None, float] = (None, None, 0.0)
         self._lock = threading.Lock()
         self._queue: deque[Event] = deque()
         self._wake = threading.Event()
@@ -128,8 +132,7 @@ class DaemonClient:
 
     def compiled(self, now: float | None = None) -> object | None:
         """What ``compile_snapshot`` made of the newest snapshot, while that is fresh."""
-        with self._lock:
-            snap, compiled, received = self._snapshot, self._compiled, self._snapshot_received_s
+        snap, compiled, received = self._newest
         if snap is None:
             return None
         now = self.clock() if now is None else now
@@ -307,4 +310,5 @@ class DaemonClient:
             self._compiled = compiled
             self._snapshot = snap
             self._snapshot_received_s = received
+            self._newest = (snap, compiled, received)
             self._counts["snapshots_received"] += 1
