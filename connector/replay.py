@@ -47,6 +47,7 @@ from typing import Any, Final
 
 from connector.tiny_model import build_tiny_llama
 from policyd.sim.profiles import get_profile
+from policyd.tiers.budget import DEFAULT_STEP_DEADLINE_US
 from policyd.tiers.gpu import DEFAULT_STEP_OPS, gpu_caps
 
 ROOT: Final = Path(__file__).resolve().parents[1]
@@ -183,6 +184,7 @@ class Run:
     deferred_cpu_us: float = 0.0  # the bookkeeping moved off vLLM's thread: its thread's CPU
     deferred_jobs: int = 0
     worst_steps: list[dict[str, Any]] = field(default_factory=list)  # costliest, by hook
+    plan: dict[str, Any] = field(default_factory=dict)  # the GPU plan's ops, deadline cuts
 
     @property
     def recomputed_tokens(self) -> int:
@@ -289,12 +291,15 @@ def replay(
     active: list[Flow] = []
     run = Run(name)
     t0 = time.perf_counter()
+    paused = 0.0  # between rounds: not the engine's time
     n_round = 0
     while pending or active:
         while pending and len(active) < concurrency:
             active.append(pending.pop(0))
         if between_rounds is not None:
+            p0 = time.perf_counter()
             between_rounds(run)
+            paused += time.perf_counter() - p0
         prompts: list[list[int]] = []
         params: list[dict[str, Any]] = []
         for flow in active:
@@ -323,7 +328,7 @@ def replay(
             flow.took(generated)
         active = [flow for flow in active if not flow.finished]
         n_round += 1
-    run.wall_s = time.perf_counter() - t0
+    run.wall_s = time.perf_counter() - t0 - paused
     return run
 
 
@@ -468,6 +473,7 @@ def run_record(r: Run) -> dict[str, Any]:
         "deferred_cpu_us": round(r.deferred_cpu_us, 1),
         "deferred_jobs": r.deferred_jobs,
         "worst_steps": r.worst_steps,
+        "plan": r.plan,
     }
 
 
@@ -550,6 +556,15 @@ def worst_steps_table(records: Sequence[dict[str, Any]]) -> str:
             f"{r['run']}: the {len(worst)} costliest steps, {min(cpu):.0f}-{max(cpu):.0f} us; "
             f"mean us a step by hook: {top}"
         )
+        plan = r.get("plan") or {}
+        if plan.get("lookups"):
+            n = plan["lookups"]
+            parts = ", ".join(f"{k} {v / n:.1f}" for k, v in plan["lookup_parts_us"].items())
+            lines.append(
+                f"{r['run']}: inside a lookup (wall us a call): {parts}; operations: GPU plan "
+                f"{plan['ops']}, host re-keying {plan.get('host_units', 0)}; steps the deadline "
+                f"cut short: {plan['cut_steps']} of {plan['steps']}"
+            )
     return "\n".join(lines)
 
 
@@ -608,6 +623,7 @@ def _in_process(args: argparse.Namespace) -> list[Run]:
                     run.deferred_cpu_us += t.get("deferred_cpu_us") or 0.0
                     run.deferred_jobs += t.get("deferred_jobs") or 0
                     run.worst_steps += t.get("worst_steps") or []
+                    run.plan.update(t.get("plan") or {})
             runs.append(run)
             print(
                 f"[replay] {name}: {run.requests} requests in {run.wall_s:.1f} s", file=sys.stderr
@@ -627,8 +643,12 @@ def _caps(args: argparse.Namespace) -> dict[str, int]:
 
 
 def _step_ops(args: argparse.Namespace) -> dict[str, int]:
-    """The plan operations per scheduler step: ``--step-ops``, else the connector's default."""
-    return {"agentkv_step_ops": args.step_ops or DEFAULT_STEP_OPS}
+    """The plan operations per scheduler step (``--step-ops``) and the step's deadline
+    (``--step-deadline-us``), else the connector's defaults."""
+    return {
+        "agentkv_step_ops": args.step_ops or DEFAULT_STEP_OPS,
+        "agentkv_step_deadline_us": args.step_deadline_us or DEFAULT_STEP_DEADLINE_US,
+    }
 
 
 def flows_of(args: argparse.Namespace) -> list[Flow]:
@@ -706,6 +726,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-pinned-blocks", type=int, help="agentkv_max_pinned_blocks")
     ap.add_argument("--max-ranked-blocks", type=int, help="agentkv_max_ranked_blocks")
     ap.add_argument("--step-ops", type=int, help="agentkv_step_ops (default: the connector's)")
+    ap.add_argument(
+        "--step-deadline-us",
+        type=int,
+        help="agentkv_step_deadline_us (default: the connector's)",
+    )
     ap.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
     ap.add_argument("--gpu-blocks", type=int, default=40)
     ap.add_argument("--host-chunks", type=int, default=96)

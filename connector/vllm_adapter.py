@@ -69,7 +69,7 @@ from connector.events import block_hash_int
 from connector.runtime import ConnectorRuntime, Guard, StepTimes
 from connector.trace_file import TraceFile
 from policyd.client import DaemonClient
-from policyd.tiers.budget import StepBudget
+from policyd.tiers.budget import DEFAULT_STEP_DEADLINE_US, StepBudget
 from policyd.tiers.gpu import DEFAULT_STEP_OPS, GpuApplier, gpu_caps
 from policyd.tiers.host_order import HostOrder
 from policyd.tiers.view import SnapshotView
@@ -361,6 +361,18 @@ class TorchHostWorker(OffloadingWorker):
             if job.job_id in job_ids and job.event is not None:
                 job.event.synchronize()
 
+    def _plan_record(self) -> dict[str, object]:
+        """The GPU plan's work over the run, for the replay's report."""
+        gpu = self._gpu
+        return {
+            "lookups": self._guard.calls_by_hook.get("lookup", 0),
+            "lookup_parts_us": {k: v / 1e3 for k, v in self.lookup_parts_ns.items()},
+            "ops": 0 if gpu is None else gpu.applier.counters.ops,
+            "host_units": 0 if gpu is None else gpu.budget.host_units,
+            "cut_steps": 0 if gpu is None else gpu.budget.cut_steps,
+            "steps": len(self.step_times.steps_cpu_us),
+        }
+
     def shutdown(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()
@@ -589,18 +601,22 @@ class GpuTier:
         return self.plan(rt, request, num_computed_tokens)
 
     def plan(
-        self, rt: ConnectorRuntime, request: Any = None, num_computed_tokens: int = 0
+        self,
+        rt: ConnectorRuntime,
+        request: Any = None,
+        num_computed_tokens: int = 0,
+        over: Callable[[], bool] | None = None,
     ) -> list[int]:
         """At a prefix lookup, after ``adopt``: spend what is left of this scheduler step's
-        budget (never retiring the request's counted prefix hit); the blocks the retire rule
-        evicted."""
-        if not self.budget.busy:
+        budget (never retiring the request's counted prefix hit), stopping early once ``over``
+        says the step's time is spent; the blocks the retire rule evicted."""
+        if not self.budget.busy or self.budget.spent:
             return []
         hit: AbstractSet[int] = frozenset()
         if request is not None and num_computed_tokens:
             n = num_computed_tokens // self.pool.pool.hash_block_size
             hit = PrefixHit(self.pool, request.block_hashes[:n])
-        evicted = self.budget.run(hit)
+        evicted = self.budget.run(hit, over)
         rt.counters.gpu_pinned_blocks = len(self.applier.pinned)
         rt.gpu_removed(evicted)
         return evicted
@@ -626,8 +642,10 @@ class AgentKVConnector(OffloadingConnector):
     ``agentkv_events_endpoint`` / ``agentkv_snapshot_endpoint`` (default: policyd.wire, env
     AGENTKV_EVENTS_ENDPOINT / AGENTKV_SNAPSHOT_ENDPOINT), ``agentkv_max_pinned_blocks`` (default
     1% of the GPU pool), ``agentkv_max_ranked_blocks`` (2048), ``agentkv_step_ops`` (12 a
-    scheduler step), ``agentkv_trace_path`` / ``agentkv_trace_tiers``,
-    ``agentkv_queue_max_events`` (the client's bounded queue); docs/CONNECTOR.md has the table.
+    scheduler step), ``agentkv_step_deadline_us`` (the step's share of AgentKV time after
+    which the GPU plan waits for the next step, 50), ``agentkv_trace_path`` /
+    ``agentkv_trace_tiers``, ``agentkv_queue_max_events`` (the client's bounded queue);
+    docs/CONNECTOR.md has the table.
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any):
@@ -647,6 +665,8 @@ class AgentKVConnector(OffloadingConnector):
         self._block_size = vllm_config.cache_config.block_size
         self._max_pinned = self._max_ranked = 0
         self._step_ops = DEFAULT_STEP_OPS
+        self._step_deadline_ns = DEFAULT_STEP_DEADLINE_US * 1000
+        self.lookup_parts_ns = {"gpu adopt": 0, "gpu plan": 0, "make room": 0}
         self._group_ids = list(kv_cache_config.prefix_cacheable_group_ids)
         if role == KVConnectorRole.SCHEDULER:
             self._guard.call("start", lambda: self._start(extra, kv_cache_config), None)
@@ -658,6 +678,10 @@ class AgentKVConnector(OffloadingConnector):
             n_blocks, None if pin is None else int(pin), None if rank is None else int(rank)
         )
         self._step_ops = int(extra.get("agentkv_step_ops", DEFAULT_STEP_OPS))
+        deadline_us = float(extra.get("agentkv_step_deadline_us", DEFAULT_STEP_DEADLINE_US))
+        if deadline_us <= 0:
+            raise ValueError(f"agentkv_step_deadline_us must be > 0, got {deadline_us}")
+        self._step_deadline_ns = int(deadline_us * 1000)
         client: DaemonClient | None = None
         if _flag(extra.get("agentkv_daemon", True)):
             client = DaemonClient(
@@ -772,25 +796,41 @@ class AgentKVConnector(OffloadingConnector):
         result: tuple[int | None, bool] = super().get_num_new_matched_tokens(
             request, num_computed_tokens
         )
-        rt, gpu = self._runtime, self._gpu
-        if gpu is not None and rt is not None:
-            # the snapshot's moves, a budget of them at each lookup, before vLLM allocates for
-            # the request (the simulator steps them at the same point); then pins yield if the
-            # request needs their room
-            no_change: list[int] = []
-            self._guard.call("gpu adopt", lambda: gpu.adopt(rt), None)
+        rt = self._runtime
+        if rt is not None:
             self._guard.call(
-                "gpu decisions", lambda: gpu.plan(rt, request, num_computed_tokens), no_change
-            )
-            self._guard.call("make room", lambda: gpu.make_room(request, num_computed_tokens), None)
-        if rt is not None and result[0] is not None:
-            host = result[0]
-            self._guard.call(
-                "lookup",
-                lambda: rt.lookup_done(request.request_id, num_computed_tokens, host),
-                None,
+                "lookup", lambda: self._at_lookup(rt, request, num_computed_tokens, result[0]), None
             )
         return result
+
+    def _at_lookup(
+        self, rt: ConnectorRuntime, request: Any, num_computed_tokens: int, host: int | None
+    ) -> None:
+        """One guarded call per prefix lookup (a guard's own clocks cost ~3 us). First the
+        snapshot's moves, a budget of them at each lookup, before vLLM allocates for the request
+        (the simulator steps them at the same point), until the step's deadline; then pins
+        yield if the request needs their room; the lookup's record is kept even if those fail.
+        The parts' wall time is kept apart (``lookup_parts_ns``) to show where it goes."""
+        gpu, parts = self._gpu, self.lookup_parts_ns
+        try:
+            if gpu is not None:
+                t0 = time.perf_counter_ns()
+                gpu.adopt(rt)
+                t1 = time.perf_counter_ns()
+                gpu.plan(rt, request, num_computed_tokens, self._over_deadline)
+                t2 = time.perf_counter_ns()
+                gpu.make_room(request, num_computed_tokens)
+                parts["gpu adopt"] += t1 - t0
+                parts["gpu plan"] += t2 - t1
+                parts["make room"] += time.perf_counter_ns() - t2
+        finally:
+            if host is not None:  # the view ``adopt`` refreshed (or, if it failed, the last one)
+                rt.lookup_done(request.request_id, num_computed_tokens, host, refresh=gpu is None)
+
+    def _over_deadline(self) -> bool:
+        """The scheduler step has spent its share of AgentKV's time (every hook's so far, the
+        running one included): the GPU plan stops until the next step."""
+        return self.step_times.so_far_ns() >= self._step_deadline_ns
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)
@@ -829,6 +869,18 @@ class AgentKVConnector(OffloadingConnector):
             self._gpu.close_step()
         return super().build_connector_meta(scheduler_output)
 
+    def _plan_record(self) -> dict[str, object]:
+        """The GPU plan's work over the run, for the replay's report."""
+        gpu = self._gpu
+        return {
+            "lookups": self._guard.calls_by_hook.get("lookup", 0),
+            "lookup_parts_us": {k: v / 1e3 for k, v in self.lookup_parts_ns.items()},
+            "ops": 0 if gpu is None else gpu.applier.counters.ops,
+            "host_units": 0 if gpu is None else gpu.budget.host_units,
+            "cut_steps": 0 if gpu is None else gpu.budget.cut_steps,
+            "steps": len(self.step_times.steps_cpu_us),
+        }
+
     def shutdown(self) -> None:
         rt, deferred = self._runtime, self._deferred
         if deferred is not None:
@@ -842,6 +894,7 @@ class AgentKVConnector(OffloadingConnector):
                 "worst_steps": self.step_times.worst_steps(),
                 "deferred_cpu_us": None if deferred is None else deferred.cpu_ns / 1e3,
                 "deferred_jobs": None if deferred is None else deferred.done,
+                "plan": self._plan_record(),
             }
             self._guard.call("trace", lambda: rt.trace(steps), None)  # type: ignore[misc]
         if self._trace_file is not None:

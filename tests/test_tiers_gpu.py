@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from policyd.sim.cache import GpuTier, LruQueue
-from policyd.tiers.budget import ADOPT_COST_OPS, StepBudget
+from policyd.tiers.budget import ADOPT_COST_OPS, BATCH_OPS, STARVED_STEPS, StepBudget
 from policyd.tiers.gpu import GpuApplier
 from policyd.tiers.host_order import HostOrder
 from policyd.tiers.view import Ownership, Retirement, SnapshotView
@@ -203,3 +203,54 @@ def test_the_step_that_adopts_a_snapshot_pays_for_it_from_its_budget() -> None:
     budget.new_step()
     budget.run()
     assert applier.counters.ops == 6 and not budget.busy  # the other 4 moves, the next step
+
+
+def test_a_deadline_stops_the_step_between_batches_and_the_work_waits_for_the_next_step() -> None:
+    """The connector's deadline: looked at before every batch of ``BATCH_OPS``; once it says the
+    step's time is spent the step does no more (later lookups included), and the next step goes
+    on where it stopped, so the plan lands whole, only later, in the same final order."""
+    blocks = list(range(1, 11))
+    scores = {b: float(11 - b) for b in blocks}
+    free_run = pool_with_free(blocks)
+    unhurried = GpuApplier(free_run, max_ranked_blocks=10)
+    unhurried.adopt(view(scores), frozenset())
+    unhurried.step(None)
+
+    gpu = pool_with_free(blocks)
+    applier = GpuApplier(gpu, max_ranked_blocks=10)
+    budget = StepBudget(applier, None, ops_per_step=12)
+    budget.adopt(view(scores), Retirement.settled(frozenset()))
+    budget.left = 12 + ADOPT_COST_OPS  # this test is about the deadline, not the adoption charge
+    looks: list[int] = []
+
+    def over() -> bool:
+        looks.append(applier.counters.ops)
+        return len(looks) > 2  # time for two batches
+
+    budget.run(over=over)
+    assert applier.counters.ops == 2 * BATCH_OPS and budget.cut_steps == 1
+    budget.run(over=lambda: False)  # a later lookup in the same step: nothing more
+    assert applier.counters.ops == 2 * BATCH_OPS
+    steps = 1
+    while budget.busy:
+        budget.new_step()
+        budget.run(over=lambda: False)
+        steps += 1
+    assert steps == 2 and applier.counters.ops == unhurried.counters.ops
+    assert order(gpu) == order(free_run)  # the same moves, one step later
+
+
+def test_steps_that_are_always_past_the_deadline_still_move_the_plan() -> None:
+    """A step cut before any work is starved; after ``STARVED_STEPS`` of them in a row the next
+    step's first batch runs regardless of the deadline, so the plan cannot stall for good."""
+    gpu = pool_with_free(list(range(1, 11)))
+    applier = GpuApplier(gpu, max_ranked_blocks=10)
+    budget = StepBudget(applier, None, ops_per_step=12)
+    applier.adopt(view({b: float(b) for b in range(1, 11)}), frozenset())
+    done = []
+    for _ in range(3 * (STARVED_STEPS + 1)):
+        budget.new_step()
+        budget.run(over=lambda: True)
+        done.append(applier.counters.ops)
+    per_step = [b - a for a, b in zip([0, *done], done, strict=False)]
+    assert per_step == ([0] * STARVED_STEPS + [BATCH_OPS]) * 3

@@ -9,11 +9,21 @@ anything still unused, so neither starves the other. ``adopt`` starts a new snap
 hands the view to the host order once the plan's recount is done, and charges the adopting
 step ``ADOPT_COST_OPS`` (a view refreshed, an old plan dropped, a new one started, its first
 work on cold caches: 50-100 us on vLLM's thread). The connector (``GpuTier``) and the simulator
-(``Simulator._step_plan``) both run it, at the same points, so they stay in step.
+(``Simulator._step_plan``) both run it, at the same points and in the same batches of
+``BATCH_OPS`` operations, so they stay in step.
+
+The connector adds a deadline (``run``'s ``over``): before each batch it asks whether the
+scheduler step has already spent its share of the connector's time (every hook's, measured),
+and stops for this step if so; after ``STARVED_STEPS`` steps in a row cut before any work, the
+next step's first batch runs regardless, so the plan never stalls. The work is not lost: it
+waits for the next step's budget. The simulator runs without a deadline, so where the connector
+is cut it lags the simulator; the connector counts those steps (``cut_steps``) so the lag is
+measured, not assumed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from typing import Any, Final
 
@@ -22,6 +32,13 @@ from policyd.tiers.host_order import HostOrder
 from policyd.tiers.view import Retirement, SnapshotView
 
 ADOPT_COST_OPS: Final = 8  # what adopting a snapshot costs, in operations (connector.bench_step)
+BATCH_OPS: Final = 2  # operations performed between two looks at the deadline
+STARVED_STEPS: Final = 4  # steps in a row the deadline left with no work done: the next does some
+# The connector's deadline: a scheduler step's share of AgentKV's CPU time on vLLM's thread (every
+# hook's so far) after which the plan waits for the next step, so that the step's later hooks
+# (allocation, host stores, further lookups) fit the 200 us budget beside it (connector.replay
+# prints the steps it cut)
+DEFAULT_STEP_DEADLINE_US: Final = 50
 
 
 class StepBudget:
@@ -37,6 +54,11 @@ class StepBudget:
         self.ops_per_step = ops_per_step
         self.left = ops_per_step
         self._adopted = False
+        self.cut_steps = 0  # steps the deadline stopped with budget and work left
+        self.host_units = 0  # the host order's re-keying work done, in operations
+        self._cut = False  # this step was cut: no more work in it
+        self._worked = False  # this step did a batch
+        self._starved = 0  # steps in a row cut before their first batch
 
     def adopt(self, view: SnapshotView | None, retirement: Retirement) -> None:
         """A new view (``None``: stale): the GPU plan for it, then the host order takes it once
@@ -51,16 +73,27 @@ class StepBudget:
         self._adopted = True
 
     @property
+    def spent(self) -> bool:
+        """Nothing more in this step: its budget is used, or the deadline cut it (an adoption
+        still to charge is not spent: ``run`` charges it this step, as the simulator does)."""
+        return not self._adopted and (self._cut or (self.left is not None and self.left <= 0))
+
+    @property
     def busy(self) -> bool:
         return self.applier.busy or (self.host is not None and self.host.rekeying)
 
     def new_step(self) -> None:
         """A scheduler step begins: a whole budget again."""
         self.left = self.ops_per_step
+        self._starved = self._starved + 1 if self._cut and not self._worked else 0
+        self._cut = self._worked = False
 
-    def run(self, hit: AbstractSet[int] = frozenset()) -> list[int]:
+    def run(
+        self, hit: AbstractSet[int] = frozenset(), over: Callable[[], bool] | None = None
+    ) -> list[int]:
         """Spend what is left of this step's budget; the blocks the GPU plan's retire rule
-        evicted (``hit``: the prefix hit of the request being looked up, see ``GpuApplier``)."""
+        evicted (``hit``: the prefix hit of the request being looked up, see ``GpuApplier``).
+        ``over``: true once the step has no time left (the connector's deadline; None: none)."""
         if self._adopted:
             self._adopted = False
             if self.left is not None:
@@ -71,16 +104,48 @@ class StepBudget:
             if host is not None:
                 host.rekey(None)
             return everything
-        if left <= 0 or not self.busy:
+        if left <= 0 or self._cut or not self.busy:
             return []
-        if host is not None and host.rekeying and applier.busy:
-            left -= host.rekey(min(left, max(1, left // 2)))
         evicted: list[int] = []
+        rekey = self._rekey
+        if host is not None and host.rekeying and applier.busy:
+            left -= self._in_batches(min(left, max(1, left // 2)), rekey, over)
         if applier.busy and left > 0:
-            ops = applier.counters.ops
-            evicted = applier.step(left, hit)
-            left -= applier.counters.ops - ops
+
+            def plan(n: int) -> int:
+                ops = applier.counters.ops
+                evicted.extend(applier.step(n, hit))
+                return applier.counters.ops - ops
+
+            left -= self._in_batches(left, plan, over)
         if host is not None and left > 0:
-            left -= host.rekey(left)
+            left -= self._in_batches(left, rekey, over)
         self.left = left
         return evicted
+
+    def _rekey(self, units: int) -> int:
+        assert self.host is not None
+        used = self.host.rekey(units)
+        self.host_units += used
+        return used
+
+    def _in_batches(
+        self, ops: int, work: Callable[[int], int], over: Callable[[], bool] | None
+    ) -> int:
+        """``work(n)`` (performs at most ``n`` operations, returns how many) in batches of
+        ``BATCH_OPS`` until ``ops`` are spent, nothing is left, or ``over`` says stop; after
+        ``STARVED_STEPS`` steps in a row cut before any work, a step's first batch runs
+        regardless, so the plan progresses however busy the steps are before it."""
+        used = 0
+        while used < ops and not self._cut:
+            if over is not None and (self._worked or self._starved < STARVED_STEPS) and over():
+                self._cut = True
+                self.cut_steps += 1
+                break
+            self._worked = True
+            n = min(BATCH_OPS, ops - used)
+            done = work(n)
+            used += done
+            if done < n:
+                break  # nothing more to do
+        return used

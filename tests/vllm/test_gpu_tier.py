@@ -119,3 +119,20 @@ def test_recent_digests_keep_the_newest_half_at_least_and_never_more_than_capaci
     assert recent.get(0) is None
     recent.update([5, 6], [digest(5), digest(6)])  # named again: newest again
     assert recent.get(5) == digest(5)
+
+
+def test_a_step_past_its_deadline_does_no_plan_work_and_the_next_step_resumes() -> None:
+    """The connector's deadline on the real pool: a step whose time is spent moves nothing
+    (nor do later lookups in it); the next step resumes, and the plan lands whole."""
+    _pool, tier, rt, current = setup()
+    current[0] = snap(1, retired_workflows=("old",))
+    tier.adopt(rt)
+    evicted = tier.plan(rt, over=lambda: True)
+    assert evicted == [] and tier.applier.counters.ops == 0
+    assert tier.budget.spent and tier.budget.cut_steps == 1
+    assert tier.plan(rt, over=lambda: False) == []  # the same step: nothing more
+    while tier.budget.busy:
+        tier.close_step()
+        evicted += tier.plan(rt, over=lambda: False)
+    assert sorted(evicted) == [1, 2, 3, 4]  # the retired workflow's free blocks, all of them
+    assert all(tier.cached(b) == [] for b in (1, 2, 3, 4))

@@ -31,6 +31,9 @@ def record(tmp_path: Path, concurrency: int, workflows: int, gpu_blocks: int) ->
         "--workflows", str(workflows), "--concurrency", str(concurrency),
         "--gpu-blocks", str(gpu_blocks), "--host-chunks", "32", "--trace-tiers",
         "--max-pinned-blocks", "2", "--max-ranked-blocks", "16",
+        # the step deadline makes the plan's pace depend on the machine's clock; this test is
+        # about the decisions, so it lifts it (connector.replay measures the lag it causes)
+        "--step-deadline-us", "1000000",
         "--record", str(out),
     ]  # fmt: skip
     result = subprocess.run(
