@@ -361,18 +361,6 @@ class TorchHostWorker(OffloadingWorker):
             if job.job_id in job_ids and job.event is not None:
                 job.event.synchronize()
 
-    def _plan_record(self) -> dict[str, object]:
-        """The GPU plan's work over the run, for the replay's report."""
-        gpu = self._gpu
-        return {
-            "lookups": self._guard.calls_by_hook.get("lookup", 0),
-            "lookup_parts_us": {k: v / 1e3 for k, v in self.lookup_parts_ns.items()},
-            "ops": 0 if gpu is None else gpu.applier.counters.ops,
-            "host_units": 0 if gpu is None else gpu.budget.host_units,
-            "cut_steps": 0 if gpu is None else gpu.budget.cut_steps,
-            "steps": len(self.step_times.steps_cpu_us),
-        }
-
     def shutdown(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()
