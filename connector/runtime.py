@@ -419,33 +419,34 @@ class ConnectorRuntime:
     # wire hashes and sent by a deferred job
 
     def host_stored(self, keys: Sequence[bytes]) -> None:
-        self._host_fact_later("stored", keys, None)
-
-    def host_removed(self, keys: Sequence[bytes]) -> None:
-        self._host_fact_later("removed", keys, None)
-
-    def host_loaded(self, keys: Sequence[bytes], request_id: str | None) -> None:
-        self._host_fact_later("loaded", keys, request_id)
-
-    def _host_fact_later(self, what: str, keys: Sequence[bytes], request_id: str | None) -> None:
         if keys:
             now = self.clock()
-            self.defer(lambda: self._host_fact(what, keys, request_id, now))
+            self.defer(lambda: self._stored_on_host(keys, now))
 
-    def _host_fact(
-        self, what: str, keys: Sequence[bytes], request_id: str | None, now: float
-    ) -> None:
+    def host_removed(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            now = self.clock()
+            self.defer(lambda: self._removed_from_host(keys, now))
+
+    def host_loaded(self, keys: Sequence[bytes], request_id: str | None) -> None:
+        if keys:
+            now = self.clock()
+            self.defer(lambda: self._loaded_from_host(keys, request_id, now))
+
+    def _stored_on_host(self, keys: Sequence[bytes], now: float) -> None:
         blocks = ev.block_hash_ints(keys)
-        c = self.counters
-        if what == "stored":
-            c.host_stored_blocks += len(blocks)
-            self._emit(ev.blocks_stored("host", blocks, now))
-        elif what == "removed":
-            c.host_removed_blocks += len(blocks)
-            self._emit(ev.blocks_removed("host", blocks, now))
-        else:
-            c.host_loaded_blocks += len(blocks)
-            self._emit(ev.blocks_loaded(blocks, now, request_id))
+        self.counters.host_stored_blocks += len(blocks)
+        self._emit(ev.blocks_stored("host", blocks, now))
+
+    def _removed_from_host(self, keys: Sequence[bytes], now: float) -> None:
+        blocks = ev.block_hash_ints(keys)
+        self.counters.host_removed_blocks += len(blocks)
+        self._emit(ev.blocks_removed("host", blocks, now))
+
+    def _loaded_from_host(self, keys: Sequence[bytes], request_id: str | None, now: float) -> None:
+        blocks = ev.block_hash_ints(keys)
+        self.counters.host_loaded_blocks += len(blocks)
+        self._emit(ev.blocks_loaded(blocks, now, request_id))
 
     def gpu_removed(self, blocks: Sequence[int]) -> None:
         if blocks:
