@@ -47,8 +47,7 @@ class Deferred:
         self.done = 0
         self.cpu_ns = 0  # this thread's CPU time in jobs: the work taken off vLLM's thread
         self._jobs: deque[Job] = deque()  # append and popleft are atomic
-        self._wake = threading.Event()
-        self._sleeping = False
+        self._wake = threading.Event()  # set: look for jobs now (flush, close)
         self._closed = False
         self._last_log_s = -LOG_INTERVAL_S
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -62,12 +61,6 @@ class Deferred:
         self.submitted += 1
         self._jobs.append(job)
 
-    def kick(self) -> None:
-        """Wake the thread now if it sleeps and jobs wait."""
-        if self._sleeping and self._jobs:
-            self._sleeping = False
-            self._wake.set()
-
     def _run(self) -> None:
         jobs = self._jobs
         while True:
@@ -76,10 +69,8 @@ class Deferred:
             except IndexError:
                 if self._closed:
                     return
-                self._sleeping = True
                 self._wake.wait(POLL_S)
                 self._wake.clear()
-                self._sleeping = False
                 continue
             c0 = time.thread_time_ns()
             self._run_one(job)
@@ -104,7 +95,7 @@ class Deferred:
         """Wait until every job handed over so far has run; False on timeout."""
         target = self.submitted
         deadline = time.monotonic() + timeout_s
-        self.kick()
+        self._wake.set()
         while self.done < target:
             if time.monotonic() >= deadline:
                 return False
