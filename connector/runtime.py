@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Final, Protocol, TypeVar
 
 from connector import events as ev
@@ -420,18 +421,20 @@ class ConnectorRuntime:
 
     def host_stored(self, keys: Sequence[bytes]) -> None:
         if keys:
-            now = self.clock()
-            self.defer(lambda: self._stored_on_host(keys, now))
+            self._later(partial(self._stored_on_host, keys))
 
     def host_removed(self, keys: Sequence[bytes]) -> None:
         if keys:
-            now = self.clock()
-            self.defer(lambda: self._removed_from_host(keys, now))
+            self._later(partial(self._removed_from_host, keys))
 
     def host_loaded(self, keys: Sequence[bytes], request_id: str | None) -> None:
         if keys:
-            now = self.clock()
-            self.defer(lambda: self._loaded_from_host(keys, request_id, now))
+            self._later(partial(self._loaded_from_host, keys, request_id))
+
+    def _later(self, job: Callable[[float], None]) -> None:
+        """Defer ``job``, handing it the time now (taken here, on the hook's thread)."""
+        now = self.clock()
+        self.defer(lambda: job(now))
 
     def _stored_on_host(self, keys: Sequence[bytes], now: float) -> None:
         blocks = ev.block_hash_ints(keys)
@@ -451,8 +454,7 @@ class ConnectorRuntime:
     def gpu_removed(self, blocks: Sequence[int]) -> None:
         if blocks:
             self.counters.gpu_retired_evicted_blocks += len(blocks)
-            now = self.clock()
-            self.defer(lambda: self._emit(ev.blocks_removed("gpu", blocks, now)))
+            self._later(lambda now: self._emit(ev.blocks_removed("gpu", blocks, now)))
 
 
 FREE_CHUNK: Final = 256  # list entries freed between two chances for vLLM's thread to run
