@@ -579,7 +579,7 @@ def _in_process(args: argparse.Namespace) -> list[Run]:
         trace_path = work / f"trace-{name}.jsonl"
         extra: dict[str, Any] = {
             **_caps(args),
-            **_step_ops(args),
+            **_step_budget(args),
             "agentkv_trace_path": str(trace_path),
             "agentkv_trace_tiers": args.trace_tiers,
         }
@@ -642,7 +642,7 @@ def _caps(args: argparse.Namespace) -> dict[str, int]:
     return {"agentkv_max_pinned_blocks": pinned, "agentkv_max_ranked_blocks": ranked}
 
 
-def _step_ops(args: argparse.Namespace) -> dict[str, int]:
+def _step_budget(args: argparse.Namespace) -> dict[str, int]:
     """The plan operations per scheduler step (``--step-ops``) and the step's deadline
     (``--step-deadline-us``), else the connector's defaults."""
     return {
@@ -676,7 +676,7 @@ def record(runs: Sequence[Run], args: argparse.Namespace) -> dict[str, Any]:
         "concurrency": args.concurrency,
         "max_pinned_blocks": _caps(args)["agentkv_max_pinned_blocks"],
         "max_ranked_blocks": _caps(args)["agentkv_max_ranked_blocks"],
-        "step_ops": _step_ops(args)["agentkv_step_ops"],
+        "step_ops": _step_budget(args)["agentkv_step_ops"],
         "runs": [],
     }
     for run in runs:

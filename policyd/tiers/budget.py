@@ -104,7 +104,7 @@ class StepBudget:
             if host is not None:
                 host.rekey(None)
             return everything
-        if left <= 0 or self._cut or not self.busy:
+        if self.spent or not self.busy:
             return []
         evicted: list[int] = []
         rekey = self._rekey
