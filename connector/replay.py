@@ -47,7 +47,7 @@ from typing import Any, Final
 
 from connector.tiny_model import build_tiny_llama
 from policyd.sim.profiles import get_profile
-from policyd.tiers.budget import DEFAULT_STEP_DEADLINE_US
+from policyd.tiers.budget import DEFAULT_STEP_DEADLINE_US, STEP_BUDGET_P99_US
 from policyd.tiers.gpu import DEFAULT_STEP_OPS, gpu_caps
 
 ROOT: Final = Path(__file__).resolve().parents[1]
@@ -538,6 +538,40 @@ def hooks_table(records: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def repeats_table(records: Sequence[dict[str, Any]], budget_us: float = STEP_BUDGET_P99_US) -> str:
+    """Each configuration over repeated runs: the connector's CPU p99 a scheduler step (every
+    run's, the median, the worst, against the budget) and the recomputed prompt tokens (median
+    and range), each median beside vLLM's default's measured in the same invocation."""
+    by_run: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        by_run.setdefault(r["run"], []).append(r)
+    base = by_run.get("vllm-default")
+
+    def median(runs: Sequence[dict[str, Any]], key: str) -> float:
+        return float(statistics.median(r[key] for r in runs))
+
+    lines = [f"over {max(map(len, by_run.values()), default=0)} runs of each, interleaved"]
+    for name, runs in by_run.items():
+        recomputed = [r["recomputed_tokens"] for r in runs]
+        cells = [
+            f"recomputed tokens median {median(runs, 'recomputed_tokens'):.0f} "
+            f"(range {min(recomputed)}-{max(recomputed)})"
+        ]
+        if base is not None and name != "vllm-default":
+            ratio = median(runs, "recomputed_tokens") / median(base, "recomputed_tokens")
+            cells.append(f"{ratio:.3f}x vLLM's default's median")
+        p99s = [r["connector_step_cpu_p99_us"] for r in runs if "connector_step_cpu_p99_us" in r]
+        if p99s:
+            p99 = statistics.median(p99s)
+            verdict = "within" if p99 <= budget_us else "OVER"
+            cells.append(
+                f"CPU p99 us a step: runs {', '.join(f'{v:.0f}' for v in p99s)}, median {p99:.0f} "
+                f"(budget {budget_us:.0f}: {verdict}), worst {max(p99s):.0f}"
+            )
+        lines.append(f"{name}: " + "; ".join(cells))
+    return "\n".join(lines)
+
+
 def worst_steps_table(records: Sequence[dict[str, Any]]) -> str:
     """The costliest scheduler steps of each run (the connector keeps 64): their CPU us, and
     the hooks that made it, as calls' CPU us summed over those steps, heaviest first."""
@@ -737,6 +771,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--policy", default="agentkv", help="policyd serve --policy")
     ap.add_argument("--policyd", type=Path, default=ROOT / ".venv" / "bin" / "policyd")
     ap.add_argument("--runs", default="gpu-only,vllm-default,agentkv")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run --runs this many times, interleaved, and summarise the step budget over them "
+        "(a p99 over ~2,000 steps moves by tens of us between runs on a shared machine)",
+    )
     ap.add_argument("--server", help="replay against this running vLLM server instead")
     ap.add_argument("--model", help="the served model name (with --server)")
     ap.add_argument("--label", default="server", help="the run's name in the table (--server)")
@@ -748,6 +789,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--trace-tiers", action="store_true", help="record both tiers' blocks at every request"
     )
     args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error("--repeat must be >= 1")
+    if args.repeat > 1 and (args.record or args.server):
+        ap.error("--repeat is for in-process timing runs (not with --record or --server)")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the table, not vLLM's start-up log
     if args.record:
         # the engine core in this process: a round's requests all reach the scheduler before
@@ -772,9 +817,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         ]
     else:
-        runs = _in_process(args)
+        runs = [run for _ in range(args.repeat) for run in _in_process(args)]
     records = [run_record(r) for r in runs]
     print(table(records))
+    if args.repeat > 1:
+        print("\n" + repeats_table(records))
     hooks = hooks_table(records)
     if hooks:
         print("\nthe connector's CPU time on vLLM's thread, by hook\n" + hooks)

@@ -39,6 +39,9 @@ STARVED_STEPS: Final = 4  # steps in a row the deadline left with no work done: 
 # (allocation, host stores, further lookups) fit the 200 us budget beside it (connector.replay
 # prints the steps it cut)
 DEFAULT_STEP_DEADLINE_US: Final = 50
+# What AgentKV may add to a vLLM scheduler step: p99 of its CPU time on vLLM's thread, us (the
+# target connector.bench_step and connector.replay --repeat check)
+STEP_BUDGET_P99_US: Final = 200.0
 
 
 class StepBudget:
