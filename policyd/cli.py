@@ -1,4 +1,9 @@
-"""The ``policyd`` command line."""
+"""The ``policyd`` command line.
+
+Contract: building the parser (``policyd --help``, or any subcommand's parsing) imports only the
+standard library and light vocabulary (``policyd.names``, the workload and profile names); each
+handler imports what its command runs when it runs (``policyd bench-cli`` measures the start).
+"""
 
 from __future__ import annotations
 
@@ -7,26 +12,17 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-
-from rich.console import Console
+from typing import TYPE_CHECKING
 
 from policyd import cli_daemon, cli_history
 from policyd.arguments import fraction_list, int_list
-from policyd.bench import (
-    BenchSpec,
-    bench_json,
-    plot_sweep,
-    render_table,
-    reproduce_command,
-    run_bench,
-    write_json,
-)
-from policyd.policies import POLICIES
+from policyd.names import POLICY_NAMES, TRACE_FORMATS
 from policyd.sim.profiles import PROFILES
-from policyd.throughput import measure_throughput, render_throughput
 from policyd.tiers.gpu import DEFAULT_STEP_OPS
-from policyd.traces import READERS, load_trace, render_stats, trace_stats
-from policyd.workloads import WORKLOADS, make_workload
+from policyd.workloads import WORKLOADS
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 _ints = int_list()
 _fractions = fraction_list()
@@ -59,6 +55,15 @@ def _workloads(text: str) -> list[str]:
 # subcommands with a parser of their own (their module's ``main``), imported only when run
 OWN_PARSERS: dict[str, tuple[str, str]] = {
     "bench-guard": ("policyd.guard_cost", "the recency guard's cost per event beside the engine's"),
+    "bench-flood": (
+        "policyd.flood_bench",
+        "a daemon's decision latency, idle and during a flood of unfinished requests",
+    ),
+    "bench-soak": (
+        "policyd.soak_bench",
+        "a long run of valid traffic with invalid frames mixed in: RSS, nothing lost",
+    ),
+    "bench-cli": ("policyd.startup_bench", "how long `policyd` takes to start, beside Python"),
     "matrix": (
         "policyd.matrix",
         "agentkv against every baseline and the bound on every workload",
@@ -87,9 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--policies",
-        type=_names(list(POLICIES), "policy"),
+        type=_names(POLICY_NAMES, "policy"),
         default=["lru", "belady"],
-        help=f"comma-separated, from: {', '.join(sorted(POLICIES))}",
+        help=f"comma-separated, from: {', '.join(sorted(POLICY_NAMES))}",
     )
     bench.add_argument(
         "--concurrency", type=_ints, default=None, help="default 8,32; e.g. 8,32,128"
@@ -155,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         "stats", help="a trace's shape: calls, agents, prompts, reuse, gaps"
     )
     stats.add_argument("path", help="trace file or directory, or a generator name")
-    stats.add_argument("--format", choices=sorted(READERS), help="skip format detection")
+    stats.add_argument("--format", choices=sorted(TRACE_FORMATS), help="skip format detection")
     stats.add_argument("--seed", type=int, default=0, help="seed, for a generator name")
 
     tput = sub.add_parser(
@@ -175,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _console() -> Console:
     """Tables are wide: never fold them to 80 columns when piped to a file or CI log."""
+    from rich.console import Console  # noqa: PLC0415 - see the module's contract
+
     console = Console()
     return console if console.is_terminal else Console(width=200)
 
@@ -192,6 +199,16 @@ SWEEP_CONCURRENCY = [1, 2, 4, 8, 16, 32, 64, 128]
 
 
 def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from policyd.bench import (  # noqa: PLC0415 - see the module's contract
+        BenchSpec,
+        bench_json,
+        plot_sweep,
+        render_table,
+        reproduce_command,
+        run_bench,
+        write_json,
+    )
+
     concurrency = args.concurrency or (SWEEP_CONCURRENCY if args.sweep else [8, 32])
     spec = BenchSpec(
         workloads=args.workload,
@@ -223,6 +240,9 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def _throughput(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from policyd.bench import reproduce_command  # noqa: PLC0415 - see the module's contract
+    from policyd.throughput import measure_throughput, render_throughput  # noqa: PLC0415
+
     console = _console()
     result = measure_throughput(refs=args.refs, concurrency=args.concurrency, seed=args.seed)
     console.print(render_throughput(result))
@@ -231,6 +251,9 @@ def _throughput(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def _trace(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from policyd.traces import load_trace, render_stats, trace_stats  # noqa: PLC0415
+    from policyd.workloads import make_workload  # noqa: PLC0415
+
     if args.path in WORKLOADS:
         workload = make_workload(args.path, seed=args.seed)
     else:

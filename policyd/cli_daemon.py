@@ -1,7 +1,9 @@
 """``policyd serve`` / ``policyd demo`` / ``policyd bench-ingest``: the daemon's subcommands.
 
 ``add_parsers(subparsers)`` declares them and ``COMMANDS`` maps each to its handler
-``(args, argv) -> exit code``; policyd/cli.py registers both.
+``(args, argv) -> exit code``; policyd/cli.py registers both. Contract: importing this module
+and building its parsers import neither the daemon nor the policies; a handler imports what it
+runs.
 """
 
 from __future__ import annotations
@@ -12,15 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from policyd.daemon.server import serve
-from policyd.daemon.settings import DaemonSettings, online_policies
-from policyd.demo import demo_main
-from policyd.flood_bench import add_parser as add_flood_parser
-from policyd.flood_bench import bench_flood_main
-from policyd.ingest_bench import bench_main
-from policyd.ingest_cost import stages_main
-from policyd.soak_bench import add_parser as add_soak_parser
-from policyd.soak_bench import bench_soak_main
+from policyd.names import ONLINE_POLICY_NAMES
 from policyd.workloads import WORKLOADS
 
 Handler = Callable[[argparse.Namespace, Sequence[str]], int]
@@ -38,7 +32,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     serve.add_argument("--snapshots", help="PUB endpoint for snapshots [POLICYD_SNAPSHOTS]")
     serve.add_argument("--http-host", help="HTTP bind address [POLICYD_HTTP_HOST]")
     serve.add_argument("--http-port", type=int, help="HTTP port [POLICYD_HTTP_PORT]")
-    serve.add_argument("--policy", choices=online_policies(), help="policy [POLICYD_POLICY]")
+    serve.add_argument("--policy", choices=ONLINE_POLICY_NAMES, help="policy [POLICYD_POLICY]")
     serve.add_argument(
         "--token-file",
         type=Path,
@@ -84,7 +78,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     demo.add_argument("--speedup", type=float, default=None, help="simulated s per wall s")
     demo.add_argument("--workflows", type=int, default=40, help="workflows in total (default 40)")
     demo.add_argument("--concurrency", type=int, default=8)
-    demo.add_argument("--policy", choices=online_policies(), default="pbkv")
+    demo.add_argument("--policy", choices=ONLINE_POLICY_NAMES, default="pbkv")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--http-port", type=int, default=0, help="HTTP port (default: a free one)")
     demo.add_argument(
@@ -123,7 +117,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "the highest it sustained (nothing shed, backlog gone within 5 s)",
     )
     bench.add_argument("--db", type=Path, help="history file (default: a temporary directory)")
-    bench.add_argument("--policy", choices=online_policies(), default="pbkv")
+    bench.add_argument("--policy", choices=ONLINE_POLICY_NAMES, default="pbkv")
     bench.add_argument(
         "--block-sample-rate",
         type=float,
@@ -140,11 +134,12 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     bench.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     bench.add_argument("--plot", metavar="PATH", help="also plot RSS over the run (PNG)")
-    add_flood_parser(sub)
-    add_soak_parser(sub)
 
 
 def _serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from policyd.daemon.server import serve  # noqa: PLC0415 - see the module's contract
+    from policyd.daemon.settings import DaemonSettings  # noqa: PLC0415
+
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -181,17 +176,23 @@ def _serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def _demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from policyd.demo import demo_main  # noqa: PLC0415 - see the module's contract
+
     return demo_main(args, argv)
 
 
 def _bench_ingest(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    return stages_main(args, argv) if args.stages else bench_main(args, argv)
+    if args.stages:
+        from policyd.ingest_cost import stages_main  # noqa: PLC0415 - see the module's contract
+
+        return stages_main(args, argv)
+    from policyd.ingest_bench import bench_main  # noqa: PLC0415
+
+    return bench_main(args, argv)
 
 
 COMMANDS: dict[str, Handler] = {
     "serve": _serve,
     "demo": _demo,
     "bench-ingest": _bench_ingest,
-    "bench-flood": bench_flood_main,
-    "bench-soak": bench_soak_main,
 }

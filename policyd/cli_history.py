@@ -19,15 +19,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from rich.console import Console, Group
-from rich.table import Table
-from rich.text import Text
-
-from policyd.history.files import default_db_path
-from policyd.history.revisions import HistoryError
-
 if TYPE_CHECKING:
+    from rich.console import Group
+
     from policyd.history.safe_sql import QueryResult
+
+# Contract: importing this module costs nothing beyond the standard library (``policyd --help``
+# builds every parser); each handler imports DuckDB, Alembic or rich when it runs.
 
 EXIT_REFUSED: Final = 2  # the query was refused or failed
 EXIT_UNAVAILABLE: Final = 3  # no readable history file (locked, missing, too new)
@@ -89,7 +87,8 @@ def _fail(command: str, message: str, code: int) -> int:
 
 
 def run_migrate(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from policyd.history.revisions import migrate  # noqa: PLC0415 - Alembic only when asked
+    from policyd.history.files import default_db_path  # noqa: PLC0415 - see the contract
+    from policyd.history.revisions import HistoryError, migrate  # noqa: PLC0415
 
     db = args.db or default_db_path()
     try:
@@ -138,6 +137,10 @@ def _render_csv(result: QueryResult, source: Path) -> str:
 
 
 def _render_table(result: QueryResult, source: Path) -> Group:
+    from rich.console import Group  # noqa: PLC0415 - see the contract
+    from rich.table import Table  # noqa: PLC0415
+    from rich.text import Text  # noqa: PLC0415
+
     note = f"{len(result.rows)} rows in {result.elapsed_ms:.0f} ms from {source}"
     if result.truncated:
         note += " (truncated: raise --max-rows)"
@@ -157,6 +160,8 @@ FORMATS: Final[dict[str, Callable[[QueryResult, Path], object]]] = {
 
 
 def run_sql(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from policyd.history.files import default_db_path  # noqa: PLC0415 - see the contract
+    from policyd.history.revisions import HistoryError  # noqa: PLC0415
     from policyd.history.safe_sql import SqlRefused, query_history  # noqa: PLC0415
 
     db = args.db or default_db_path()
@@ -179,6 +184,8 @@ def run_sql(args: argparse.Namespace, argv: Sequence[str]) -> int:
         if result.truncated:
             print(f"policyd sql: truncated at {args.max_rows} rows", file=sys.stderr)
     else:
+        from rich.console import Console  # noqa: PLC0415 - see the contract
+
         console = Console()
         (console if console.is_terminal else Console(width=200)).print(rendered)
     return 0

@@ -46,10 +46,10 @@ from policyd.wire import MAX_EVENTS_PER_BATCH
 AGENTS = ("planner", "coder", "tester")
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "bench-flood",
-        help="decision latency of a `policyd serve` process idle and during a flood of "
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="policyd bench-flood",
+        description="decision latency of a `policyd serve` process idle and during a flood of "
         "requests that never finish, side by side",
     )
     p.add_argument("--flood", type=int, default=20_000, help="unfinished requests (20000)")
@@ -63,6 +63,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--max-active-workflows", type=int, default=None)
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    return p
 
 
 def warm_events(n: int, active: int = 0) -> list[Event]:
@@ -231,7 +232,8 @@ def render(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def bench_flood_main(args: argparse.Namespace, argv: Sequence[str]) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     result = run(args)
     print(render(result), flush=True)
     if args.json:

@@ -50,10 +50,10 @@ from policyd.validate import MAX_BLOCKS_PER_EVENT
 INVALID_KINDS = ("garbage", "truncated", "bad-events", "duplicate")
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "bench-soak",
-        help="a long run of valid traffic with invalid frames mixed in: RSS, valid events "
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="policyd bench-soak",
+        description="a long run of valid traffic with invalid frames mixed in: RSS, valid events "
         "applied, invalid ones counted",
     )
     p.add_argument("--seconds", type=float, default=600.0, help="duration (default 600)")
@@ -63,6 +63,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--sample-s", type=float, default=10.0, help="seconds between RSS samples")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    return p
 
 
 def workflow(w: int) -> list[Event]:
@@ -240,7 +241,8 @@ def render(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def bench_soak_main(args: argparse.Namespace, argv: Sequence[str]) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     result = run(args)
     print(render(result), flush=True)
     if args.json:
