@@ -22,7 +22,7 @@ rounds the daemon publishes a snapshot once it has taken in every event of the r
 next round's first request is looked up: the decisions are a function of the requests, not of
 thread timing. ``--record PATH`` writes every request (prompt, generated tokens, the GPU and host
 hit the connector traced at allocation) and every snapshot with the request it preceded, for
-``python -m policyd.sim.engine_check PATH`` (main venv) to replay through the simulator.
+``policyd engine-check PATH`` (main venv) to replay through the simulator.
 """
 
 from __future__ import annotations
@@ -754,7 +754,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--prompts",
         type=Path,
-        help="replay a real trace's prompts (python -m policyd.traces.engine_prompts) instead",
+        help="replay a real trace's prompts (policyd engine-prompts) instead",
     )
     ap.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS, help="per request")
     ap.add_argument("--max-pinned-blocks", type=int, help="agentkv_max_pinned_blocks")

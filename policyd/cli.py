@@ -64,6 +64,24 @@ OWN_PARSERS: dict[str, tuple[str, str]] = {
         "a long run of valid traffic with invalid frames mixed in: RSS, nothing lost",
     ),
     "bench-cli": ("policyd.startup_bench", "how long `policyd` takes to start, beside Python"),
+    "bench-history": ("policyd.history.bench", "the history writer's rows a second and its cost"),
+    "eval-predictor": (
+        "policyd.predictor_eval",
+        "next-agent accuracy at steps 1..3, cost per call",
+    ),
+    "eval-mrc": ("policyd.mrc_eval", "the online miss-ratio curve against the exact one"),
+    "eval-efficientagent": (
+        "policyd.efficientagent_eval",
+        "EfficientAgent's host-tier experiment on SWE-bench trajectories",
+    ),
+    "engine-prompts": (
+        "policyd.traces.engine_prompts",
+        "real traces' prompts as token ids for the vLLM engine replay",
+    ),
+    "engine-check": (
+        "policyd.sim.engine_check",
+        "the simulator against a recorded vLLM engine run (connector.replay --record)",
+    ),
     "matrix": (
         "policyd.matrix",
         "agentkv against every baseline and the bound on every workload",
@@ -266,8 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in OWN_PARSERS:  # its own parser: flags pass through unparsed here
         module = importlib.import_module(OWN_PARSERS[argv[0]][0])
-        code: int = module.main(argv[1:])
-        return code
+        return int(module.main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     commands = {"bench": _bench, "throughput": _throughput, "trace": _trace}
     commands.update(cli_history.COMMANDS)

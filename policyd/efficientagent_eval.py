@@ -17,7 +17,7 @@ sized to the working set cuts recomputed prompt tokens 93% and end-to-end time 3
 tier); with a small fixed tier the filter cuts recomputation 35% (vs write-all); with a large tier
 conditioned admission avoids the 4.3x blow-up of always filtering. They are printed beside ours.
 
-Run ``python -m policyd.efficientagent_eval`` (tens of minutes on 2 busy cores; ``--limit`` for a
+Run ``policyd eval-efficientagent`` (tens of minutes on 2 busy cores; ``--limit`` for a
 quicker look).
 """
 
@@ -317,7 +317,7 @@ def plot(rows: Sequence[Row], path: Path, command: str) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m policyd.efficientagent_eval",
+        prog="policyd eval-efficientagent",
         description="EfficientAgent's host-tier experiment on the SWE-bench trajectories",
     )
     p.add_argument(
@@ -366,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"no trace at {args.trace}")
     console = Console(stderr=True)
     out = Console()
-    command = "python -m policyd.efficientagent_eval " + shlex.join(argv)
+    command = "policyd eval-efficientagent " + shlex.join(argv)
     started = time.perf_counter()
     rows, meta = run(args, console)
     gib = meta["kv_bytes_per_block"] / 1024**3

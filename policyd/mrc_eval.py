@@ -20,7 +20,7 @@ MAE is the same for a host tier behind the profile's GPU tier. *Cost* is the wal
 machine at hand, so it moves with its load; the hash filter is vectorised per prompt, only
 sampled blocks reach Python code).
 
-Run ``python -m policyd.mrc_eval`` (about two minutes); ``--plot docs/mrc.png`` draws the curves.
+Run ``policyd eval-mrc`` (about two minutes); ``--plot docs/mrc.png`` draws the curves.
 """
 
 from __future__ import annotations
@@ -472,7 +472,7 @@ def plot(cases: Sequence[Case], settings: Settings, path: Path) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m policyd.mrc_eval",
+        prog="policyd eval-mrc",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
     parser.add_argument(
@@ -573,7 +573,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot is not None:
         plot(cases, settings, args.plot)
         console.print(f"plot: {args.plot}")
-    command = shlex.join(["python", "-m", "policyd.mrc_eval", *(argv or sys.argv[1:])])
+    command = shlex.join(["policyd", "eval-mrc", *(argv or sys.argv[1:])])
     console.print(f"reproduce: {command}")
     return 0
 

@@ -21,7 +21,7 @@ fixed pure-Python loop (the reference) is timed the same way; the cost is report
 it (the median over chunks), which holds on a shared, noisy machine where absolute microseconds
 do not, and as microseconds at the machine's quietest reference (``--cost``).
 
-Run ``python -m policyd.predictor_eval`` (``--help`` for the knobs).
+Run ``policyd eval-predictor`` (``--help`` for the knobs).
 """
 
 from __future__ import annotations
@@ -428,7 +428,7 @@ def result_record(r: Result, k: int, digest: str) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m policyd.predictor_eval",
+        prog="policyd eval-predictor",
         description="Prequential next-agent prediction accuracy, ours vs first-order Markov.",
     )
     parser.add_argument(
@@ -526,7 +526,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.json:
         args.json.write_text(json.dumps(records, indent=1) + "\n")
-    command = ["python", "-m", "policyd.predictor_eval", *(sys.argv[1:] if argv is None else argv)]
+    command = ["policyd", "eval-predictor", *(sys.argv[1:] if argv is None else argv)]
     console.print(f"reproduce: {shlex.join(command)}", soft_wrap=True)
     return 0
 

@@ -12,7 +12,7 @@ threshold drop). The hash filter is vectorised per prompt: only sampled blocks r
 which misses the true count ``N`` when a few hot blocks (the shared system prompt) are over- or
 under-sampled; the difference is added to the first bucket (distance 0). Without it the histogram
 is normalised by its own total, as plain SHARDS does. On the SWE-bench pools it lowers the MAE at
-rates >= 0.05 and fixed size, and is a wash at rate 0.01 (``python -m policyd.mrc_eval``).
+rates >= 0.05 and fixed size, and is a wash at rate 0.01 (``policyd eval-mrc``).
 
 *Prefix hits from sampled blocks.* The curve needs each reference's effective (leading-run)
 distance, but the estimator sees only a prompt's sampled blocks: it takes the running maximum of

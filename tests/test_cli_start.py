@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from policyd.cli import OWN_PARSERS
 from policyd.daemon.settings import online_policies
 from policyd.names import ONLINE_POLICY_NAMES, ORACLE_POLICY_NAMES, POLICY_NAMES, TRACE_FORMATS
 from policyd.policies import POLICIES
@@ -67,8 +68,8 @@ def test_the_parsers_names_equal_the_registries() -> None:
     assert sorted(TRACE_FORMATS) == sorted(READERS)
 
 
-def test_flood_and_soak_benches_keep_their_own_parsers() -> None:
-    for name in ("bench-flood", "bench-soak", "bench-cli"):
+def test_every_subcommand_with_its_own_parser_answers_as_policyd() -> None:
+    for name in OWN_PARSERS:
         out = subprocess.run(
             [sys.executable, "-m", "policyd.cli", name, "--help"],
             check=True,

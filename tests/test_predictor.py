@@ -730,7 +730,7 @@ def test_eval_command_prints_a_table_and_the_command(capsys: pytest.CaptureFixtu
     assert predictor_eval.main(argv) == 0
     out = capsys.readouterr().out
     assert "financial" in out and "fact-checking" in out and "Markov @3" in out
-    assert "python -m policyd.predictor_eval --workloads financial,fact-checking" in out
+    assert "policyd eval-predictor --workloads financial,fact-checking" in out
 
 
 def test_eval_cost_table_reports_a_ratio_to_the_reference_loop(

@@ -1,5 +1,5 @@
-"""How fast the history writer appends, and how long a snapshot takes: ``python -m
-policyd.history.bench [--rows N]``. Prints figures; asserts nothing (the machine is shared).
+"""How fast the history writer appends, and how long a snapshot takes: ``policyd
+bench-history [--rows N]``. Prints figures; asserts nothing (the machine is shared).
 
 Three paths, each through a real History on a temporary file, timed from the first call to the
 end of ``flush()``: event batches of block accesses (numpy fan-out, one Arrow table per write),
@@ -114,7 +114,7 @@ def run(rows: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m policyd.history.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="policyd bench-history", description=__doc__)
     parser.add_argument("--rows", type=int, default=1_000_000, help="block-access rows to append")
     args = parser.parse_args(argv)
     run(args.rows)

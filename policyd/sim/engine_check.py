@@ -1,7 +1,7 @@
 """The simulator against the real engine: a recorded vLLM run replayed request by request.
 
     .venv-vllm/bin/python -m connector.replay --record run.json ...   (the engine, recorded)
-    .venv/bin/python -m policyd.sim.engine_check run.json [--tolerance 0.02]
+    .venv/bin/policyd engine-check run.json [--tolerance 0.02]
 
 ``connector.replay --record`` writes every request the engine served (its prompt tokens, the
 tokens it generated, the GPU and host hit the connector traced when vLLM allocated its blocks)
@@ -231,7 +231,7 @@ def table(checks: Sequence[RunCheck]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m policyd.sim.engine_check",
+        prog="policyd engine-check",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -259,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  {line}")
     if args.json:
         args.json.write_text(json.dumps([c.__dict__ for c in checks], indent=2))
-    print(f"\ncommand: python -m policyd.sim.engine_check {' '.join(sys.argv[1:])}".rstrip())
+    print(f"\ncommand: policyd engine-check {' '.join(sys.argv[1:])}".rstrip())
     return 1 if failed else 0
 
 

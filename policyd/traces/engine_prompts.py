@@ -1,6 +1,6 @@
 """Real traces as token prompts for the real engine's tiny model (``connector.replay --prompts``).
 
-    python -m policyd.traces.engine_prompts --swe PATH --whowhen PATH --out prompts.json
+    policyd engine-prompts --swe PATH --whowhen PATH --out prompts.json
 
 The engine replays need token ids, not block hashes, and the tiny test model reads a context of
 a few thousand tokens with a 1,000-word vocabulary. Each 16-token block of a trace call (its
@@ -80,7 +80,7 @@ def interleave(sources: Sequence[list[dict[str, Any]]], requests: int) -> list[d
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m policyd.traces.engine_prompts",
+        prog="policyd engine-prompts",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
