@@ -8,11 +8,12 @@ each scheduler step starts or finishes a request (prefix hits touched, new block
 cached, blocks freed tail first), and every ``--snapshot-every`` steps a new snapshot arrives
 that names ``--named`` blocks with scores and lists the workflows that finished (one more each
 time; a new workflow takes its place). Per step the benchmark
-times exactly the connector's share: ``GpuTier.apply`` (refresh the view, adopt a new plan,
-perform at most ``--step-ops`` operations of it and of the host order's re-keying). It prints
-p50 / p99 / max in microseconds for steps with an unchanged view and for all steps, side by
-side with the same stream where the snapshot never changes, and checks the budget (p99 <= 200
-us).
+times exactly the connector's share, as it runs at a prefix lookup: ``GpuTier.adopt`` (refresh
+the view, adopt a new plan) then ``GpuTier.plan`` (at most ``--step-ops`` operations of it and
+of the host order's re-keying, stopped at the connector's deadline, ``--step-deadline-us``; 0:
+none). It prints p50 / p99 / max in microseconds for steps with an unchanged view and for all
+steps, side by side with the same stream where the snapshot never changes, the work the plan
+did and the steps the deadline cut, and checks the budget (p99 <= 200 us).
 """
 
 from __future__ import annotations
