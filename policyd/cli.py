@@ -250,7 +250,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.json:
         write_json(bench_json(reports, spec, command), args.json)
     if args.sweep:
-        path = args.plot or f"docs/sweep-concurrency-{'-'.join(spec.workloads)}.png"
+        path = args.plot or f"docs/figures/sweep-concurrency-{'-'.join(spec.workloads)}.png"
         plot_sweep(reports, path, command)
         if args.json != "-":
             console.print(f"plot: {path}")
