@@ -200,9 +200,16 @@ def run_demo(
             )
 
     try:
-        sim = Simulator(workload, make_policy(policy), config)
-        remote = RemoteEngine(client, lambda: sim.now, speedup=speedup, policy=policy, on_pace=pace)
-        sim.engine = remote  # type: ignore[assignment]
+        engines: list[RemoteEngine] = []
+
+        def remote_engine(sim_now: Callable[[], float]) -> RemoteEngine:
+            engines.append(
+                RemoteEngine(client, sim_now, speedup=speedup, policy=policy, on_pace=pace)
+            )
+            return engines[-1]
+
+        sim = Simulator(workload, make_policy(policy), config, engine=remote_engine)
+        remote = engines[0]
         report = sim.run()
         client.flush(10.0)
         _wait_applied(service, remote.state.counters.events, timeout_s=30.0)

@@ -13,12 +13,12 @@ holds it, and finished workflows are forgotten once none of their blocks remain.
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from itertools import count, islice, repeat
+from collections import deque
+from collections.abc import Callable, Sequence
+from itertools import islice
 from typing import TYPE_CHECKING
 
+from policyd.state import Counters, EngineState, RequestState, WorkflowState
 from policyd.types import (
     TIERS,
     Admit,
@@ -39,143 +39,10 @@ from policyd.types import (
 if TYPE_CHECKING:
     from policyd.policies.base import Policy
 
+__all__ = ["Clock", "Counters", "Engine", "EngineState", "RequestState", "WorkflowState"]
+
 Clock = Callable[[], float]
 MAX_SOURCES = 4096  # sources whose last sequence number the Engine keeps
-
-
-@dataclass(slots=True)
-class WorkflowState:
-    workflow_id: str
-    workflow_type: str
-    started_ts: float
-    last_ts: float  # the source's timestamp of the last event
-    last_seen_s: float = 0.0  # the Engine's clock when the last event arrived (idle inference)
-    agents: list[str] = field(default_factory=list)  # agent of each call, in order
-    running: int = 0
-    done: bool = False
-    blocks: set[int] = field(default_factory=set)
-    # each agent's latest prompt in this workflow: what its next call will start with
-    agent_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class RequestState:
-    request_id: str
-    workflow_id: str
-    agent: str
-    block_hashes: tuple[int, ...]
-    prompt_tokens: int
-    started_ts: float
-    hints: dict[str, object]
-    hit: PrefixHit | None = None
-    started_s: float = 0.0  # the Engine's clock when it started (request timeout)
-
-
-@dataclass(slots=True)
-class Counters:
-    events: int = 0
-    batches: int = 0
-    seq_gaps: int = 0  # a batch's seq past the next expected one (batches lost)
-    seq_duplicates: int = 0  # a batch's seq equal to the last one (sent twice)
-    seq_regressions: int = 0  # a batch's seq below the last one (out of order, or forged)
-    seq_restarts: int = 0  # seq back to 0 or 1 after more: the source restarted
-    stale_batches_dropped: int = 0  # duplicates and regressions not applied (drop_stale)
-    sources_forgotten: int = 0  # sources evicted from the bounded per-source table
-    requests_expired: int = 0  # requests dropped after request_timeout_s without finishing
-    requests_evicted: int = 0  # running requests past max_requests, oldest first, finished
-    workflows_evicted: int = 0  # active workflows past max_workflows, least recent, finished
-    unknown_requests: int = 0
-    workflows_started: int = 0
-    workflows_finished: int = 0
-    idle_finishes: int = 0
-
-
-class EngineState:
-    """What the Engine knows. Policies read it; only the Engine writes it."""
-
-    def __init__(self) -> None:
-        self.workflows: dict[str, WorkflowState] = {}
-        self.requests: dict[str, RequestState] = {}
-        self.resident: dict[Tier, set[int]] = {tier: set() for tier in TIERS}
-        self.owners: dict[int, set[str]] = {}  # block -> workflows that referenced it
-        self.recency: dict[int, int] = {}  # block -> sequence of its last reference
-        self.running_refs: Counter[int] = Counter()  # block -> running requests using it
-        # the blocks every prompt of an agent starts with, across workflows (its system prompt
-        # as the cache sees it), and the workflow that prompt came from
-        self.agent_prefix: dict[str, tuple[int, ...]] = {}
-        self._agent_prefix_source: dict[str, str] = {}
-        self.counters = Counters()
-        self.active_count = 0  # workflows not done (kept as they change: bounds are O(1))
-        self.last_seq: dict[str, int] = {}
-        self._ticks = count(1)
-
-    # -- queries policies use ------------------------------------------------------------------
-
-    def active_workflows(self) -> list[WorkflowState]:
-        return [w for w in self.workflows.values() if not w.done]
-
-    def is_retired(self, block: int) -> bool:
-        """True when every workflow that referenced the block has finished."""
-        owners = self.owners.get(block)
-        if not owners:
-            return False
-        workflows = self.workflows
-        return all(w not in workflows or workflows[w].done for w in owners)
-
-    def retired_blocks(self, tier: Tier) -> list[int]:
-        return [b for b in self.resident[tier] if self.is_retired(b)]
-
-    # -- updates -------------------------------------------------------------------------------
-
-    def learn_agent_prefix(self, agent: str, workflow_id: str, blocks: tuple[int, ...]) -> None:
-        """Shrink the agent's shared prefix to what this prompt has in common with it (prompts
-        of the same workflow are not compared: they share the workflow's context too)."""
-        prefix = self.agent_prefix.get(agent)
-        if prefix is None:
-            self.agent_prefix[agent] = blocks
-            self._agent_prefix_source[agent] = workflow_id
-            return
-        if self._agent_prefix_source[agent] == workflow_id or blocks[: len(prefix)] == prefix:
-            return
-        lo, hi = 0, min(len(prefix), len(blocks))  # binary search on slice equality (C speed)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if blocks[:mid] == prefix[:mid]:
-                lo = mid
-            else:
-                hi = mid - 1
-        self.agent_prefix[agent] = prefix[:lo]
-        self._agent_prefix_source[agent] = ""
-
-    def touch(self, blocks: Sequence[int]) -> None:
-        """Record a reference. Blocks get sequence numbers tail first, as vLLM frees them, so
-        that among blocks referenced together the deepest is the least recent."""
-        start = next(self._ticks)
-        self._ticks = count(start + len(blocks) + 1)
-        self.recency.update(zip(reversed(blocks), range(start, start + len(blocks)), strict=True))
-
-    def forget_blocks(self, blocks: Iterable[int]) -> None:
-        """Drop bookkeeping of blocks that no tier holds any more (set operations and ``map``
-        keep this off the per-block interpreter path: it runs for every eviction)."""
-        running = self.running_refs
-        gone = {
-            b
-            for b in set(blocks).difference(self.resident["gpu"], self.resident["host"])
-            if b not in running
-        }
-        if not gone:
-            return
-        deque(map(self.recency.pop, gone, repeat(None)), maxlen=0)
-        holders = [h for h in map(self.owners.pop, gone, repeat(None)) if h]
-        if not holders:
-            return
-        workflows = self.workflows
-        for wf in set().union(*holders):
-            state = workflows.get(wf)
-            if state is not None:
-                state.blocks.difference_update(gone)
-                if state.done and not state.blocks:
-                    del workflows[wf]
 
 
 class Engine:

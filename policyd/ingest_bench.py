@@ -36,8 +36,8 @@ import msgspec
 import zmq
 from matplotlib.figure import Figure
 
-from policyd.daemon.heap import rss_bytes
 from policyd.daemon.server import READY_PREFIX
+from policyd.memory import rss_bytes
 from policyd.types import (
     PROTOCOL_VERSION,
     SNAPSHOT_CODEC,

@@ -31,9 +31,9 @@ from typing import Any, Final
 
 import httpx
 
-from policyd.daemon.heap import rss_bytes
 from policyd.flood_bench import AGENTS, Sender
 from policyd.ingest_bench import _daemon_rss_bytes, start_serve
+from policyd.memory import rss_bytes
 from policyd.types import (
     BATCH_CODEC,
     BlocksRemoved,

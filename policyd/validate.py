@@ -47,7 +47,7 @@ from policyd.types import (
 )
 
 if TYPE_CHECKING:
-    from policyd.engine import EngineState
+    from policyd.state import EngineState
 
 MAX_BLOCKS_PER_EVENT: Final = 1 << 20  # a 16M-token prompt in 16-token blocks
 MAX_TOKENS: Final = 1 << 30

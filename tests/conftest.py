@@ -9,7 +9,7 @@ with an Engine that records every batch it is fed, so tests check the cache from
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from hypothesis import strategies as st
@@ -245,12 +245,8 @@ def build_policy(name: str, order: Sequence[tuple[str, Sequence[int]]] = ()) -> 
 class RecordingEngine(Engine):
     """An Engine that keeps every batch it is fed, in order."""
 
-    def __init__(
-        self, policy: Policy, *, clock: Clock, snapshot_ttl_s: float, idle_timeout_s: float
-    ):
-        super().__init__(
-            policy, clock=clock, snapshot_ttl_s=snapshot_ttl_s, idle_timeout_s=idle_timeout_s
-        )
+    def __init__(self, policy: Policy, *, clock: Clock) -> None:
+        super().__init__(policy, clock=clock)  # the simulator's own engine's settings
         self.batches: list[EventBatch] = []
 
     def apply(self, batch: EventBatch) -> bool:
@@ -272,19 +268,20 @@ def replay(
     config: SimConfig,
     engine_cls: type[RecordingEngine] = RecordingEngine,
 ) -> Replay:
-    """Run one replay with a recording Engine swapped in before ``run()``."""
+    """Run one replay with a recording Engine (given to the simulator as its engine)."""
     order: list[tuple[str, Sequence[int]]] = []
     if POLICIES[policy_name].ordering == "oracle":  # the future: an LRU replay's call order
         recording = dataclasses.replace(config, record_requests=True)
         order = call_order(Simulator(workload, make_policy("lru"), recording).run(), workload)
-    sim = Simulator(workload, build_policy(policy_name, order), config)
-    engine = engine_cls(
-        sim.policy,
-        clock=sim.engine.clock,
-        snapshot_ttl_s=sim.engine.snapshot_ttl_s,
-        idle_timeout_s=sim.engine.idle_timeout_s,
-    )
-    sim.engine = engine
+    policy = build_policy(policy_name, order)
+    engines: list[RecordingEngine] = []
+
+    def recording_engine(clock: Callable[[], float]) -> RecordingEngine:
+        engines.append(engine_cls(policy, clock=clock))
+        return engines[-1]
+
+    sim = Simulator(workload, policy, config, engine=recording_engine)
+    (engine,) = engines
     report = sim.run()
     events = [event for batch in engine.batches for event in batch.events]
     return Replay(sim, report, engine, events)

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policyd.policies import make_policy
-from policyd.sim.cache import EvictionQueue, GpuTier, HostTier, KeyedQueue, LruQueue
+from policyd.queues import EvictionQueue, KeyedQueue, LruQueue
+from policyd.sim.cache import GpuTier, HostTier
 from policyd.sim.replay import SimConfig, Simulator
 from policyd.workload import Call, sequential
 

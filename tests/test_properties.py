@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from policyd.engine import Clock, EngineState
 from policyd.policies import POLICIES, Policy
-from policyd.sim.cache import HostOrderQueue, KeyedQueue, LruQueue, RunningSpace
+from policyd.queues import KeyedQueue, LruQueue
+from policyd.sim.cache import HostOrderQueue, RunningSpace
 from policyd.sim.replay import SimConfig
 from policyd.types import (
     BLOCK_SIZE_TOKENS,
@@ -203,12 +204,8 @@ def engine_view(state: EngineState) -> dict[str, object]:
 class ViewRecordingEngine(RecordingEngine):
     """Also keeps what the Engine knew after each batch."""
 
-    def __init__(
-        self, policy: Policy, *, clock: Clock, snapshot_ttl_s: float, idle_timeout_s: float
-    ) -> None:
-        super().__init__(
-            policy, clock=clock, snapshot_ttl_s=snapshot_ttl_s, idle_timeout_s=idle_timeout_s
-        )
+    def __init__(self, policy: Policy, *, clock: Clock) -> None:
+        super().__init__(policy, clock=clock)
         self.views: list[dict[str, object]] = []
 
     def apply(self, batch: EventBatch) -> bool:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from policyd.sim.cache import GpuTier, LruQueue
+from policyd.queues import LruQueue
+from policyd.sim.cache import GpuTier
 from policyd.tiers.budget import ADOPT_COST_OPS, BATCH_OPS, STARVED_STEPS, StepBudget
 from policyd.tiers.gpu import GpuApplier
 from policyd.tiers.host_order import HostOrder

@@ -66,10 +66,14 @@ def leave_mid_flight(
     )
     before = _taken(daemon)
     try:
-        sim = Simulator(workload, make_policy("lru"), SimConfig(concurrency=len(ids)))
-        sim_now: Callable[[], float] = lambda: sim.now  # noqa: E731
-        engine = _MidFlightEngine(client, sim_now, speedup=math.inf, policy="lru")
-        sim.engine = engine  # type: ignore[assignment]
+        sim = Simulator(
+            workload,
+            make_policy("lru"),
+            SimConfig(concurrency=len(ids)),
+            engine=lambda sim_now: _MidFlightEngine(
+                client, sim_now, speedup=math.inf, policy="lru"
+            ),
+        )
         sim.run()
         if not client.flush(timeout_s):
             raise RuntimeError("the mid-flight events did not leave the client")

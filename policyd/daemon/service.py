@@ -33,7 +33,6 @@ import msgspec
 import zmq
 
 from policyd.daemon import checkpoint, views
-from policyd.daemon.heap import release_free_heap
 from policyd.daemon.ingest import IngestQueue, Received, Receiver
 from policyd.daemon.kv_events import KvEventSubscriber
 from policyd.daemon.metrics import Metrics
@@ -49,6 +48,7 @@ from policyd.engine import Engine
 from policyd.history import History, HistoryConfig
 from policyd.history.files import remove_stale_temp_files
 from policyd.history.process import HistoryProcess
+from policyd.memory import release_free_heap
 from policyd.mrc import GiB
 from policyd.policies import POLICIES, Policy, make_policy
 from policyd.predictor import BUILD as PREDICTOR_BUILD

@@ -70,7 +70,6 @@ from typing import ClassVar, TypeVar
 
 import msgspec
 
-from policyd.engine import EngineState
 from policyd.mrc import Sizing
 from policyd.policies.efficientagent import WorkingSet
 from policyd.policies.guard import RecencyGuard
@@ -79,6 +78,7 @@ from policyd.policies.referee import RankingReferee
 from policyd.policies.stepgraph import StepGraph
 from policyd.policies.virtual import VirtualReferee
 from policyd.predictor import MIN_BRANCH, Predictor
+from policyd.state import EngineState
 from policyd.types import (
     BLOCK_SIZE_TOKENS,
     Admit,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar, Literal
 
-from policyd.engine import EngineState
+from policyd.state import EngineState
 from policyd.types import Admit, Event, PolicySnapshot, Tier
 
 Ordering = Literal["recency", "snapshot", "oracle"]

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from policyd.engine import EngineState
 from policyd.policies.base import Ordering, Policy
+from policyd.state import EngineState
 from policyd.types import Event, RequestStarted, Tier
 
 

@@ -30,10 +30,10 @@ from collections import deque
 from collections.abc import Sequence
 from typing import ClassVar, Literal
 
-from policyd.engine import EngineState
 from policyd.mrc import Sizing, recommend
 from policyd.policies.base import Ordering, Policy
 from policyd.shards import Shards
+from policyd.state import EngineState
 from policyd.types import (
     BLOCK_SIZE_TOKENS,
     Admit,

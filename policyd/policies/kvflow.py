@@ -28,8 +28,8 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import ClassVar
 
-from policyd.engine import EngineState, WorkflowState
 from policyd.policies.base import Ordering, ScoredPolicy
+from policyd.state import EngineState, WorkflowState
 from policyd.types import PolicySnapshot, ScoredBlocks, score_map
 
 AgentGraph = Mapping[str, Sequence[str]]

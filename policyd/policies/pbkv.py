@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from policyd.engine import EngineState
 from policyd.policies.base import Ordering, ScoredPolicy
 from policyd.predictor import END, MIN_BRANCH, Forecast, Predictor
+from policyd.state import EngineState
 from policyd.types import (
     BlocksRemoved,
     Event,

@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
 from policyd.policies.referee import preferred
-from policyd.sim.cache import KeyedQueue
+from policyd.queues import KeyedQueue
 from policyd.types import BLOCK_SIZE_TOKENS
 
 

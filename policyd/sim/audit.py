@@ -22,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from policyd.sim.cache import HostTier, LruQueue
+from policyd.queues import LruQueue
+from policyd.sim.cache import HostTier
 
 
 @dataclass(slots=True)

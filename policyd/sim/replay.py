@@ -28,13 +28,15 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import count
+from typing import Protocol
 
 import msgspec
 
 from policyd.engine import Engine
 from policyd.policies import FutureIndex, Policy, make_policy
+from policyd.queues import KeyedQueue, LruQueue
 from policyd.sim.audit import DeclineAudit
-from policyd.sim.cache import GpuTier, HostOrderQueue, HostTier, KeyedQueue, LruQueue, RunningSpace
+from policyd.sim.cache import GpuTier, HostOrderQueue, HostTier, RunningSpace
 from policyd.sim.profiles import HardwareProfile, get_profile
 from policyd.sim.report import Report, RequestRecord
 from policyd.tiers.budget import StepBudget
@@ -117,8 +119,34 @@ class _Req:
     may_store: bool = True  # the write filter's decision, taken at the prefix lookup
 
 
+class EventCounts(Protocol):
+    events: int
+
+
+class EngineCounters(Protocol):
+    @property
+    def counters(self) -> EventCounts: ...
+
+
+class SimEngine(Protocol):
+    """What the simulator asks of its engine: ``policyd.engine.Engine`` in-process by default,
+    or a stand-in given as ``engine=`` (the demo's, which forwards the events to a daemon)."""
+
+    @property
+    def state(self) -> EngineCounters: ...
+
+    def apply(self, batch: EventBatch) -> object: ...
+
+    def snapshot(self) -> PolicySnapshot: ...
+
+    def prefetch(self, budget_blocks: int) -> list[int]: ...
+
+
 class Simulator:
-    """Replays ``workload`` under ``policy``; ``run()`` returns a ``Report``."""
+    """Replays ``workload`` under ``policy``; ``run()`` returns a ``Report``.
+
+    ``engine``: builds the engine from the simulator's clock (default: an in-process
+    ``Engine`` running ``policy``)."""
 
     def __init__(
         self,
@@ -128,6 +156,7 @@ class Simulator:
         *,
         offline_admission: OfflineAdmission | None = None,
         script: Mapping[int, PolicySnapshot] | None = None,
+        engine: Callable[[Callable[[], float]], SimEngine] | None = None,
     ) -> None:
         self.workload = workload
         self.offline_admission = offline_admission
@@ -149,7 +178,8 @@ class Simulator:
             config.host_blocks if config.host_blocks is not None else self.profile.host_blocks()
         )
         self.now = 0.0
-        self.engine = Engine(policy, clock=lambda: self.now)
+        clock: Callable[[], float] = lambda: self.now  # noqa: E731
+        self.engine: SimEngine = Engine(policy, clock=clock) if engine is None else engine(clock)
         self._snapshot: PolicySnapshot | None = None
         self._view: SnapshotView | None = None
         self._events_at_snapshot = -1

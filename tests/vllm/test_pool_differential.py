@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from policyd.sim.cache import GpuTier, LruQueue
+from policyd.queues import LruQueue
+from policyd.sim.cache import GpuTier
 from policyd.tiers.gpu import GpuApplier
 from policyd.tiers.view import SnapshotView
 from policyd.types import PolicySnapshot, ScoredBlocks

@@ -1,4 +1,5 @@
-"""Handing freed heap memory back to the operating system, and reading a process's RSS.
+"""Handing freed heap memory back to the operating system, and reading a process's RSS (used by
+the daemon, its history writer process and the benchmarks that watch them).
 
 The daemon's threads (ingest, engine, history writer, HTTP) allocate and free many small
 objects; glibc keeps freed memory in per-thread arenas and returns it only from the top of
