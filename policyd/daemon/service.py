@@ -32,7 +32,7 @@ from typing import Any, Final
 import msgspec
 import zmq
 
-from policyd.daemon import checkpoint, views
+from policyd.daemon import checkpoint
 from policyd.daemon.ingest import IngestQueue, Received, Receiver
 from policyd.daemon.kv_events import KvEventSubscriber
 from policyd.daemon.metrics import Metrics
@@ -44,6 +44,7 @@ from policyd.daemon.sizing import (
     learn_prompt,
     lru_recomputed_blocks,
 )
+from policyd.daemon.stats import stats
 from policyd.engine import Engine
 from policyd.history import History, HistoryConfig
 from policyd.history.files import remove_stale_temp_files
@@ -233,7 +234,7 @@ class Service:
             settings.shed_above_frames,
             max_frame_bytes=settings.max_frame_bytes,
         )
-        self.metrics = Metrics(lambda: views.stats(self))
+        self.metrics = Metrics(lambda: stats(self))
         self.receiver: Receiver | None = None
         self.kv_events: KvEventSubscriber | None = None
         self.events_endpoint = settings.events
