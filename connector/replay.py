@@ -545,21 +545,15 @@ def repeats_table(records: Sequence[dict[str, Any]], budget_us: float = STEP_BUD
     by_run: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         by_run.setdefault(r["run"], []).append(r)
-    base = by_run.get("vllm-default")
-
-    def median(runs: Sequence[dict[str, Any]], key: str) -> float:
-        return float(statistics.median(r[key] for r in runs))
-
+    recomputed = {name: [r["recomputed_tokens"] for r in runs] for name, runs in by_run.items()}
+    base = statistics.median(recomputed["vllm-default"]) if "vllm-default" in by_run else None
     lines = [f"over {max(map(len, by_run.values()), default=0)} runs of each, interleaved"]
     for name, runs in by_run.items():
-        recomputed = [r["recomputed_tokens"] for r in runs]
-        cells = [
-            f"recomputed tokens median {median(runs, 'recomputed_tokens'):.0f} "
-            f"(range {min(recomputed)}-{max(recomputed)})"
-        ]
-        if base is not None and name != "vllm-default":
-            ratio = median(runs, "recomputed_tokens") / median(base, "recomputed_tokens")
-            cells.append(f"{ratio:.3f}x vLLM's default's median")
+        tokens = recomputed[name]
+        median = statistics.median(tokens)
+        cells = [f"recomputed tokens median {median:.0f} (range {min(tokens)}-{max(tokens)})"]
+        if base and name != "vllm-default":
+            cells.append(f"{median / base:.3f}x vLLM's default's median")
         p99s = [r["connector_step_cpu_p99_us"] for r in runs if "connector_step_cpu_p99_us" in r]
         if p99s:
             p99 = statistics.median(p99s)

@@ -59,11 +59,10 @@ class DaemonClient:
         self.clock = clock
         # run on the receiving thread, so that a large snapshot is indexed off the caller's path
         self.compile_snapshot = compile_snapshot
-        self._compiled: object | None = None
         self._retired_compiled: object | None = None
-        # (snapshot, compiled, received), replaced whole by the subscriber thread: ``compiled``
-        # reads it without the lock (one attribute read is atomic), so vLLM's thread never
-        # waits for the sender thread, which holds the lock while it builds a batch
+        # (snapshot, compiled, received), replaced whole by the subscriber thread: ``snapshot``
+        # and ``compiled`` read it without the lock (one attribute read is atomic), so vLLM's
+        # thread never waits for the sender thread, which holds the lock while it builds a batch
         self._newest: tuple[PolicySnapshot | None, object | None, float] = (None, None, 0.0)
         self._lock = threading.Lock()
         self._queue: deque[Event] = deque()
@@ -81,8 +80,6 @@ class DaemonClient:
         self._seq = 0
         self._pending_frame: tuple[bytes, int] | None = None  # (frame, events in it)
         self._in_flight = 0  # events taken off the queue, not yet sent, retried or dropped
-        self._snapshot: PolicySnapshot | None = None
-        self._snapshot_received_s = 0.0
         self._last_log_s: dict[str, float] = {}
         self._context = zmq.Context()
         self._threads = [
@@ -123,20 +120,20 @@ class DaemonClient:
 
     def snapshot(self, now: float | None = None) -> PolicySnapshot | None:
         """The newest snapshot while it is fresh (received less than its ``ttl_s`` ago)."""
-        with self._lock:
-            snap, received = self._snapshot, self._snapshot_received_s
-        if snap is None:
-            return None
-        now = self.clock() if now is None else now
-        return snap if now - received <= snap.ttl_s else None
+        fresh = self._fresh(now)
+        return None if fresh is None else fresh[0]
 
     def compiled(self, now: float | None = None) -> object | None:
         """What ``compile_snapshot`` made of the newest snapshot, while that is fresh."""
+        fresh = self._fresh(now)
+        return None if fresh is None else fresh[1]
+
+    def _fresh(self, now: float | None) -> tuple[PolicySnapshot, object | None] | None:
         snap, compiled, received = self._newest
         if snap is None:
             return None
         now = self.clock() if now is None else now
-        return compiled if now - received <= snap.ttl_s else None
+        return (snap, compiled) if now - received <= snap.ttl_s else None
 
     def stats(self) -> dict[str, int]:
         """Counters: accepted / dropped / sent events, batches, send errors, snapshots."""
@@ -306,9 +303,6 @@ class DaemonClient:
             # the replaced one is kept until the next arrives: the caller's thread, which
             # adopts the new one, then drops its last reference to the old one cheaply, and
             # freeing a large index happens here, off the caller's hot path
-            self._retired_compiled = self._compiled
-            self._compiled = compiled
-            self._snapshot = snap
-            self._snapshot_received_s = received
+            self._retired_compiled = self._newest[1]
             self._newest = (snap, compiled, received)
             self._counts["snapshots_received"] += 1

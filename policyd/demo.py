@@ -200,16 +200,16 @@ def run_demo(
             )
 
     try:
-        engines: list[RemoteEngine] = []
-
-        def remote_engine(sim_now: Callable[[], float]) -> RemoteEngine:
-            engines.append(
-                RemoteEngine(client, sim_now, speedup=speedup, policy=policy, on_pace=pace)
-            )
-            return engines[-1]
-
-        sim = Simulator(workload, make_policy(policy), config, engine=remote_engine)
-        remote = engines[0]
+        sim = Simulator(
+            workload,
+            make_policy(policy),
+            config,
+            engine=lambda sim_now: RemoteEngine(
+                client, sim_now, speedup=speedup, policy=policy, on_pace=pace
+            ),
+        )
+        remote = sim.engine
+        assert isinstance(remote, RemoteEngine)
         report = sim.run()
         client.flush(10.0)
         _wait_applied(service, remote.state.counters.events, timeout_s=30.0)

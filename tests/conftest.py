@@ -9,7 +9,7 @@ with an Engine that records every batch it is fed, so tests check the cache from
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hypothesis import strategies as st
@@ -274,14 +274,9 @@ def replay(
         recording = dataclasses.replace(config, record_requests=True)
         order = call_order(Simulator(workload, make_policy("lru"), recording).run(), workload)
     policy = build_policy(policy_name, order)
-    engines: list[RecordingEngine] = []
-
-    def recording_engine(clock: Callable[[], float]) -> RecordingEngine:
-        engines.append(engine_cls(policy, clock=clock))
-        return engines[-1]
-
-    sim = Simulator(workload, policy, config, engine=recording_engine)
-    (engine,) = engines
+    sim = Simulator(workload, policy, config, engine=lambda clock: engine_cls(policy, clock=clock))
+    engine = sim.engine
+    assert isinstance(engine, RecordingEngine)
     report = sim.run()
     events = [event for batch in engine.batches for event in batch.events]
     return Replay(sim, report, engine, events)
