@@ -181,6 +181,7 @@ class Run:
     step_cpu_us: list[float] = field(default_factory=list)  # the same, its thread's CPU time
     hook_cpu_us: dict[str, float] = field(default_factory=dict)  # that CPU time, by hook
     hook_calls: dict[str, int] = field(default_factory=dict)
+    queued_hooks: dict[str, int] = field(default_factory=dict)  # run inside the next timed call
     deferred_cpu_us: float = 0.0  # the bookkeeping moved off vLLM's thread: its thread's CPU
     deferred_jobs: int = 0
     worst_steps: list[dict[str, Any]] = field(default_factory=list)  # costliest, by hook
@@ -470,6 +471,7 @@ def run_record(r: Run) -> dict[str, Any]:
         **_step_percentiles(r.step_cpu_us, "connector_step_cpu"),
         "hook_cpu_us": {k: round(v, 1) for k, v in r.hook_cpu_us.items()},
         "hook_calls": r.hook_calls,
+        "queued_hooks": r.queued_hooks,
         "deferred_cpu_us": round(r.deferred_cpu_us, 1),
         "deferred_jobs": r.deferred_jobs,
         "worst_steps": r.worst_steps,
@@ -535,6 +537,10 @@ def hooks_table(records: Sequence[dict[str, Any]]) -> str:
         "(off vLLM's thread: deferred jobs)"
         + "".join(f" | {n}, {us / n if n else 0.0:.1f}, -" for n, us in off)
     )
+    for r in traced:
+        if queued := r.get("queued_hooks"):
+            counts = ", ".join(f"{hook} {n}" for hook, n in queued.items())
+            lines.append(f"{r['run']}: queued, timed inside the next call: {counts}")
     return "\n".join(lines)
 
 
@@ -648,6 +654,7 @@ def _in_process(args: argparse.Namespace) -> list[Run]:
                 for t in lines:
                     run.hook_cpu_us.update(t.get("hook_cpu_us", {}))
                     run.hook_calls.update(t.get("hook_calls", {}))
+                    run.queued_hooks.update(t.get("queued_hooks", {}))
                     run.deferred_cpu_us += t.get("deferred_cpu_us") or 0.0
                     run.deferred_jobs += t.get("deferred_jobs") or 0
                     run.worst_steps += t.get("worst_steps") or []

@@ -539,6 +539,7 @@ class GpuTier:
         )
         self.budget = StepBudget(self.applier, host, budget_ops)
         self._applied_generation = 0
+        self._refreshed = False  # this step has looked for a new view already
 
     @property
     def pinned(self) -> dict[int, list[KVCacheBlock]]:
@@ -571,11 +572,17 @@ class GpuTier:
         return self.applier.make_room(need, available)
 
     def close_step(self) -> None:
-        """A scheduler step ended: the next one gets a whole budget."""
+        """A scheduler step ended: the next one gets a whole budget, and looks for a new view."""
         self.budget.new_step()
+        self._refreshed = False
 
     def adopt(self, rt: ConnectorRuntime) -> None:
-        """At a prefix lookup, first: adopt the runtime's view if it changed."""
+        """At a prefix lookup, first: adopt the runtime's view if it changed. Once a scheduler
+        step (at its first lookup): a snapshot that arrives during a step waits for the next,
+        and the step's later lookups decide with the same view."""
+        if self._refreshed:
+            return
+        self._refreshed = True
         rt.refresh()
         if rt.generation != self._applied_generation:
             self._applied_generation = rt.generation
@@ -598,7 +605,7 @@ class GpuTier:
         """At a prefix lookup, after ``adopt``: spend what is left of this scheduler step's
         budget (never retiring the request's counted prefix hit), stopping early once ``over``
         says the step's time is spent; the blocks the retire rule evicted."""
-        if not self.budget.busy or self.budget.spent:
+        if not self.budget.ready(over):
             return []
         hit: AbstractSet[int] = frozenset()
         if request is not None and num_computed_tokens:
@@ -765,17 +772,17 @@ class AgentKVConnector(OffloadingConnector):
         rt = self._runtime
         if rt is None:
             return
-
-        self._guard.call(
+        # queued: run in the next timed call (the request's lookup), before it
+        self._guard.later(
             "request started",
-            lambda: rt.request_started(
+            partial(
+                rt.request_started,
                 request.request_id,
                 request.kv_transfer_params,
                 getattr(request, "session_id", None),
                 list(request.block_hashes),  # a copy: vLLM appends to its list as tokens come
                 request.num_prompt_tokens,
             ),
-            None,
         )
 
     def get_num_new_matched_tokens(
@@ -794,7 +801,8 @@ class AgentKVConnector(OffloadingConnector):
     def _at_lookup(
         self, rt: ConnectorRuntime, request: Any, num_computed_tokens: int, host: int | None
     ) -> None:
-        """One guarded call per prefix lookup (a guard's own clocks cost ~3 us). First the
+        """One guarded call per prefix lookup (a guard's own clocks cost ~3 us). First a new
+        view, if one came (looked for once a scheduler step, at its first lookup); then the
         snapshot's moves, a budget of them at each lookup, before vLLM allocates for the request
         (the simulator steps them at the same point), until the step's deadline; then pins
         yield if the request needs their room; the lookup's record is kept even if those fail.
@@ -824,7 +832,7 @@ class AgentKVConnector(OffloadingConnector):
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         rt = self._runtime
         if rt is not None:
-            self._guard.call("allocated", lambda: rt.allocated(request.request_id), None)
+            self._guard.later("allocated", partial(rt.allocated, request.request_id))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
         result: tuple[bool, Any] = super().request_finished(request, block_ids)
@@ -852,6 +860,7 @@ class AgentKVConnector(OffloadingConnector):
             )
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
+        self._guard.drain()  # the step's last queued hooks, timed in this step
         self.step_times.close_step()  # once per scheduler step, at its end
         if self._gpu is not None:
             self._gpu.close_step()
@@ -871,6 +880,7 @@ class AgentKVConnector(OffloadingConnector):
 
     def shutdown(self) -> None:
         rt, deferred = self._runtime, self._deferred
+        self._guard.drain()
         if deferred is not None:
             self._guard.call("deferred close", deferred.close, None)
         if rt is not None and rt.trace is not None:
@@ -879,6 +889,7 @@ class AgentKVConnector(OffloadingConnector):
                 "step_cpu_us": list(self.step_times.steps_cpu_us),
                 "hook_cpu_us": {k: v / 1e3 for k, v in self._guard.cpu_ns_by_hook.items()},
                 "hook_calls": dict(self._guard.calls_by_hook),
+                "queued_hooks": dict(self._guard.queued_by_hook),
                 "worst_steps": self.step_times.worst_steps(),
                 "deferred_cpu_us": None if deferred is None else deferred.cpu_ns / 1e3,
                 "deferred_jobs": None if deferred is None else deferred.done,

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from connector.copy_plan import plan_rows
 from connector.events import block_hash_int, block_hash_ints, prefix_hit
 from connector.params import UNKNOWN_AGENT, parse_request_tags
-from connector.runtime import ConnectorRuntime, Guard
+from connector.runtime import MAX_QUEUED_HOOKS, ConnectorRuntime, Guard
 from connector.trace_file import TraceFile
 from policyd.client import DaemonClient
 from policyd.tiers.host_order import HostOrder
@@ -582,6 +582,36 @@ def test_guard_turns_exceptions_into_defaults() -> None:
     assert guard.call("x", boom, 7) == 7
     assert guard.call("x", lambda: 3, 7) == 3
     assert guard.errors == {"x": 1}
+
+
+def test_queued_hooks_run_first_in_the_next_call_in_order_each_guarded() -> None:
+    guard, seen = Guard(), []
+
+    def boom() -> None:
+        raise RuntimeError("bad request")
+
+    guard.later("started", lambda: seen.append("started"))
+    guard.later("broken", boom)
+    guard.later("allocated", lambda: seen.append("allocated"))
+    assert seen == []  # queued, not run
+
+    def lookup() -> int:
+        seen.append("lookup")
+        return 5
+
+    assert guard.call("lookup", lookup, 0) == 5
+    assert seen == ["started", "allocated", "lookup"]  # the failure lost only itself
+    assert guard.errors == {"broken": 1}
+    assert guard.queued_by_hook == {"started": 1, "broken": 1, "allocated": 1}
+    assert guard.calls_by_hook == {"lookup": 1}  # one timed call
+    guard.drain()  # nothing queued: no call
+    assert guard.calls_by_hook == {"lookup": 1}
+    guard.later("allocated", lambda: seen.append("allocated"))
+    guard.drain()
+    assert seen[-1] == "allocated" and guard.calls_by_hook["queued"] == 1
+    for _ in range(MAX_QUEUED_HOOKS):  # never an unbounded queue
+        guard.later("allocated", lambda: None)
+    assert guard.calls_by_hook["queued"] == 2
 
 
 def test_host_removed_event_names_the_tier(

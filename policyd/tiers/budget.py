@@ -91,16 +91,40 @@ class StepBudget:
         self._starved = self._starved + 1 if self._cut and not self._worked else 0
         self._cut = self._worked = False
 
+    def ready(self, over: Callable[[], bool] | None = None) -> bool:
+        """Whether ``run`` would do any work now, decided at the cost of one look at the
+        deadline: the caller skips building ``run``'s arguments for a step that is spent. A
+        step whose deadline has passed is cut here as ``run`` would cut it (and charged its
+        adoption): nothing more in it."""
+        self._charge_adoption()
+        if self.spent or not self.busy:
+            return False
+        if over is not None and self._may_cut() and over():
+            self._cut_now()
+            return False
+        return True
+
+    def _charge_adoption(self) -> None:
+        if self._adopted:
+            self._adopted = False
+            if self.left is not None:
+                self.left -= ADOPT_COST_OPS
+
+    def _may_cut(self) -> bool:
+        """The deadline may stop this step: it worked already, or it is not starved."""
+        return self._worked or self._starved < STARVED_STEPS
+
+    def _cut_now(self) -> None:
+        self._cut = True
+        self.cut_steps += 1
+
     def run(
         self, hit: AbstractSet[int] = frozenset(), over: Callable[[], bool] | None = None
     ) -> list[int]:
         """Spend what is left of this step's budget; the blocks the GPU plan's retire rule
         evicted (``hit``: the prefix hit of the request being looked up, see ``GpuApplier``).
         ``over``: true once the step has no time left (the connector's deadline; None: none)."""
-        if self._adopted:
-            self._adopted = False
-            if self.left is not None:
-                self.left -= ADOPT_COST_OPS
+        self._charge_adoption()
         left, host, applier = self.left, self.host, self.applier
         if left is None:  # no limit: everything now
             everything = applier.step(None, hit)
@@ -141,9 +165,8 @@ class StepBudget:
         regardless, so the plan progresses however busy the steps are before it."""
         used = 0
         while used < ops and not self._cut:
-            if over is not None and (self._worked or self._starved < STARVED_STEPS) and over():
-                self._cut = True
-                self.cut_steps += 1
+            if over is not None and self._may_cut() and over():
+                self._cut_now()
                 break
             self._worked = True
             n = min(BATCH_OPS, ops - used)

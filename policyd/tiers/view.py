@@ -13,6 +13,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from itertools import chain
 from typing import Final
 
 from policyd.types import PolicySnapshot, ScoredBlocks, WriteFilter, score_map
@@ -122,7 +123,7 @@ def select_pins(
     if view is None or cap_blocks <= 0:
         return
     seen: set[int] = set()
-    for block in (*view.pin, *then):
+    for block in chain(view.pin, then):  # lazily: ``then`` may list thousands
         if block in retired or block in seen:
             continue
         seen.add(block)

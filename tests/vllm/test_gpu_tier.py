@@ -79,7 +79,8 @@ def test_pins_are_capped_and_released_when_the_snapshot_goes_stale() -> None:
     assert pool.get_num_free_blocks() == free_before - 2
     assert all(b.ref_cnt == 1 for blocks in tier.pinned.values() for b in blocks)
     assert tier.apply(rt) == [] and sorted(tier.pinned) == [5, 6]  # same view: nothing redone
-    current[0] = None  # stale
+    tier.close_step()
+    current[0] = None  # stale: the next step's first lookup adopts that
     run_plan(tier, rt)
     assert tier.pinned == {}
     assert pool.get_num_free_blocks() == free_before
