@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -259,7 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  {line}")
     if args.json:
         args.json.write_text(json.dumps([c.__dict__ for c in checks], indent=2))
-    print(f"\ncommand: policyd engine-check {' '.join(sys.argv[1:])}".rstrip())
+    given = sys.argv[1:] if argv is None else argv  # (the subcommand's own arguments)
+    print(f"\ncommand: {shlex.join(['policyd', 'engine-check', *given])}")
     return 1 if failed else 0
 
 
