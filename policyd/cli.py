@@ -180,6 +180,18 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("path", help="trace file or directory, or a generator name")
     stats.add_argument("--format", choices=sorted(TRACE_FORMATS), help="skip format detection")
     stats.add_argument("--seed", type=int, default=0, help="seed, for a generator name")
+    traces_dest = "folder (default: $AGENTKV_TRACES, else ~/.cache/agentkv/traces)"
+    get = trace_sub.add_parser(
+        "get", help="download a public trace from its source, checked against pinned SHA-256s"
+    )
+    get.add_argument("name", help="a trace `policyd trace list` names")
+    get.add_argument("--dest", type=Path, help=traces_dest)
+    check = trace_sub.add_parser("verify", help="check a local copy against the pinned SHA-256s")
+    check.add_argument("name", help="a trace `policyd trace list` names")
+    check.add_argument("--path", type=Path, help="the copy (default: its place in the folder)")
+    check.add_argument("--dest", type=Path, help=traces_dest)
+    known = trace_sub.add_parser("list", help="the traces `get` knows: source, licence, state")
+    known.add_argument("--dest", type=Path, help=traces_dest)
 
     tput = sub.add_parser(
         "throughput",
@@ -269,6 +281,8 @@ def _throughput(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def _trace(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if args.trace_command != "stats":
+        return _trace_fetch(args)
     from policyd.traces import load_trace, render_stats, trace_stats  # noqa: PLC0415
     from policyd.workloads import make_workload  # noqa: PLC0415
 
@@ -277,6 +291,27 @@ def _trace(args: argparse.Namespace, argv: Sequence[str]) -> int:
     else:
         workload = load_trace(args.path, args.format)
     _console().print(render_stats(trace_stats(workload)))
+    return 0
+
+
+def _trace_fetch(args: argparse.Namespace) -> int:
+    from policyd.traces import fetch  # noqa: PLC0415
+
+    folder = fetch.traces_folder(args.dest)
+    if args.trace_command == "list":
+        print(fetch.listing(folder))
+        return 0
+    try:
+        src = fetch.source(args.name)
+        if args.trace_command == "get":
+            print(fetch.get(src, folder))
+        else:
+            path = args.path or folder / src.published
+            fetch.verify(path, src.manifest(), frozenset({"LICENSE"}))
+            print(f"{path}: every file matches its pinned SHA-256")
+    except fetch.TraceFetchError as exc:
+        print(f"policyd trace {args.trace_command}: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -2,7 +2,8 @@
 
 The repository ships no real trace (docs/RESULTS.md names each one's public source). Commands
 and tests find a local copy through ``AGENTKV_TRACES``, a folder holding them under their
-published names; a command also takes an explicit path.
+published names, else in the folder ``policyd trace get NAME`` fills by default
+(``CACHE_DIR``); a command also takes an explicit path.
 """
 
 from __future__ import annotations
@@ -15,13 +16,21 @@ TRACES_ENV: Final = "AGENTKV_TRACES"
 SWE_TRAJECTORIES: Final = "swebench_minisweagent_200.tar.gz"
 WHO_AND_WHEN: Final = "who_and_when_captainagent"
 MOONCAKE: Final = "mooncake/synthetic_trace.jsonl"
+CACHE_DIR: Final = Path.home() / ".cache" / "agentkv" / "traces"
 
 
 def local_trace(name: str) -> Path | None:
-    """``$AGENTKV_TRACES/name``, or None when the variable is unset."""
+    """``$AGENTKV_TRACES/name`` when the variable is set; else ``CACHE_DIR/name`` when
+    ``policyd trace get`` put it there; else None."""
     root = os.environ.get(TRACES_ENV)
-    return Path(root) / name if root else None
+    if root:
+        return Path(root) / name
+    cached = CACHE_DIR / name
+    return cached if cached.exists() else None
 
 
 def missing_trace_message(option: str, name: str) -> str:
-    return f"no {name}: pass {option} PATH or set {TRACES_ENV} to a folder holding it"
+    return (
+        f"no {name}: pass {option} PATH, fetch it with `policyd trace get NAME` "
+        f"(`policyd trace list` names them), or set {TRACES_ENV} to a folder holding it"
+    )
