@@ -59,20 +59,21 @@ def test_vllm_runs_the_pinned_image_with_the_connector_and_kv_events() -> None:
     services = resolved()["services"]
     assert set(services) == {"vllm", "policyd", "ui"}  # the demo profile is off by default
     vllm = services["vllm"]
-    assert vllm["image"] == "vllm/vllm-openai:v0.32.0"
+    assert vllm["build"]["dockerfile"] == "docker/vllm.Dockerfile"
+    dockerfile = (ROOT / "docker" / "vllm.Dockerfile").read_text()
+    assert "FROM vllm/vllm-openai:v0.32.0" in dockerfile  # the pinned image, plus the wheel
+    assert "packaging/agentkv-connector/build.py" in dockerfile
     cmd = vllm["command"]
     transfer = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
     assert transfer["kv_connector"] == "AgentKVConnector"
-    assert transfer["kv_connector_module_path"] == "connector.vllm_adapter"
+    assert "kv_connector_module_path" not in transfer  # the plugin entry point registers it
     assert transfer["kv_connector_extra_config"]["agentkv_events_endpoint"] == "tcp://policyd:5557"
     events = json.loads(cmd[cmd.index("--kv-events-config") + 1])
     assert events["enable_kv_cache_events"] is True
     assert "/health" in " ".join(vllm["healthcheck"]["test"])
     devices = vllm["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["capabilities"] == ["gpu"]
-    mounts = {v["target"] for v in vllm["volumes"]}
-    assert "/opt/agentkv/connector" in mounts
-    assert vllm["environment"]["PYTHONPATH"] == "/opt/agentkv"
+    assert all("connector" not in v.get("source", "") for v in vllm["volumes"])  # installed
     # policyd subscribes to the vLLM KV events the vllm service publishes, depends on nothing
     assert "tcp://vllm:5560" in services["policyd"]["command"]
     assert "depends_on" not in services["policyd"]
@@ -118,16 +119,29 @@ def project_imports(module_path: Path) -> set[Path]:
     return seen
 
 
-def test_the_vllm_service_mounts_every_module_the_connector_imports() -> None:
-    vllm = resolved()["services"]["vllm"]
-    mounted = [Path(v["source"]) for v in vllm["volumes"] if v["type"] == "bind"]
-    needed = project_imports(ROOT / "connector" / "vllm_adapter.py")
-    missing = sorted(
-        str(p.relative_to(ROOT))
-        for p in needed
-        if not any(p == m or m in p.parents for m in mounted)
+def test_the_connectors_wheel_carries_every_module_the_connector_imports() -> None:
+    """The vLLM image installs the connector's wheel: its module lists (and the Dockerfile's
+    copies of them) hold every project file the adapter and the plugin import."""
+    import importlib.util  # noqa: PLC0415
+
+    spec = importlib.util.spec_from_file_location(
+        "connector_build", ROOT / "packaging" / "agentkv-connector" / "build.py"
     )
-    assert not missing, f"compose.yaml does not mount {missing} into the vLLM image"
+    assert spec is not None and spec.loader is not None
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    carried = {ROOT / "connector" / f"{m}.py" for m in build.CONNECTOR_MODULES}
+    carried |= {ROOT / "policyd" / f"{m}.py" for m in build.VOCABULARY}
+    carried |= {ROOT / "policyd" / "tiers" / f"{m}.py" for m in build.TIERS}
+    needed = project_imports(ROOT / "connector" / "vllm_adapter.py")
+    needed |= project_imports(ROOT / "connector" / "plugin.py")
+    missing = sorted(str(p.relative_to(ROOT)) for p in needed - carried)
+    assert not missing, f"packaging/agentkv-connector/build.py does not carry {missing}"
+    dockerfile = (ROOT / "docker" / "vllm.Dockerfile").read_text()
+    copied = " ".join(line for line in dockerfile.splitlines() if line.startswith("COPY"))
+    for path in carried:
+        rel = path.relative_to(ROOT)
+        assert str(rel) in copied or f"{rel.parent} " in copied, f"the Dockerfile misses {rel}"
 
 
 @pytest.mark.parametrize("profile", [[], ["--profile", "demo"]])
