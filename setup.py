@@ -42,6 +42,7 @@ def compiled() -> list[Extension]:
 
 setup(
     ext_modules=compiled(),
-    package_data={"policyd.predictor": [SOURCES]},
+    # (the only package-data declaration: one in pyproject.toml would replace this one)
+    package_data={"policyd.predictor": [SOURCES], "policyd.traces": ["manifests/*.json"]},
     options={"build_ext": {"parallel": os.cpu_count() or 1}},
 )
