@@ -1,8 +1,9 @@
-"""``policyd bench``: policies x workloads x concurrency x capacities, measured in one run.
+"""``policyd bench``: policies x workloads x concurrency x capacities x seeds, measured in one run.
 
 Every point also replays ``belady`` on the same workload and capacities, so each policy's hit rate
-is reported as a fraction of the oracle's. The command line that reproduces a run is printed with
-its table and stored in its JSON.
+is reported as a fraction of the oracle's, and agentkv against the best baseline. The command line
+that reproduces a run is printed with its tables and stored in its JSON. ``command`` is the
+command (``policyd.cli_bench`` declares its flags); ``python -m policyd.bench`` is an alias.
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from scipy import stats
 
-from policyd.arguments import int_list
+from policyd.cli_bench import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_WORKLOADS,
+    SWEEP_CONCURRENCY,
+    build_parser,
+)
 from policyd.policies import POLICIES
 from policyd.sim.replay import SimConfig, simulate
 from policyd.sim.report import Report
@@ -68,23 +74,6 @@ def policy_variant(label: str) -> tuple[str, dict[str, object]]:
             )
         params[key] = _value(text.strip())
     return name, params
-
-
-def split_policies(text: str) -> list[str]:
-    """``--policies``: comma-separated, a variant's brackets kept whole.
-
-    >>> split_policies("lru,agentkv,agentkv[referee=virtual,referee_window=128]")
-    ['lru', 'agentkv', 'agentkv[referee=virtual,referee_window=128]']
-    """
-    out: list[str] = []
-    depth, start = 0, 0
-    for i, char in enumerate(text):
-        depth += {"[": 1, "]": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            out.append(text[start:i])
-            start = i + 1
-    out.append(text[start:])
-    return [label.strip() for label in out if label.strip()]
 
 
 def _value(text: str) -> object:
@@ -357,7 +346,7 @@ def plot_sweep(reports: Sequence[Report], path: str, command: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-# ---- python -m policyd.bench: every policy against agentkv --------------------------------------
+# ---- agentkv against the best baseline ----------------------------------------------------------
 
 BASELINES = ("lru", "kvflow", "pbkv", "efficientagent")
 
@@ -632,111 +621,119 @@ def _stored_run(path: str) -> tuple[dict[int, list[Report]], str, dict[str, Any]
     return by_seed, command, spec
 
 
+def _compared(reports: Iterable[Report]) -> list[str]:
+    """``agentkv`` and its variants that ran beside a baseline at some point (each gets a table
+    against the best baseline; a run of neither gets none)."""
+    reports = list(reports)
+    return [ours for ours in ours_labels(reports) if next(_versus(reports, ours), None)]
+
+
 def _print_seed(console: Console, reports: Sequence[Report], title: str) -> None:
     """One seed's runs: the policies' table and agentkv (and each variant of it run) against
     the best baseline."""
     console.print(render_table(reports, title))
-    for ours in ours_labels(reports):
+    for ours in _compared(reports):
         console.print(versus_best(reports, ours))
 
 
 def _title(profile: str, seed: int, seeds: int) -> str:
-    title = f"policies compared - profile {profile}"
+    title = f"policyd bench - profile {profile}"
     return title if seeds == 1 else f"{title}, seed {seed}"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m policyd.bench``: ``policyd bench`` plus ``--streams`` (smaller generated
-    workloads for a quick comparison) and the agentkv-vs-best-baseline table; or, with
-    ``--from-json``, the tables (and ``--plot``) of a stored run, without running it again."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m policyd.bench", description=main.__doc__)
-    p.add_argument("--workload", help="comma-separated names or trace paths (required to run)")
-    p.add_argument(
-        "--policies",
-        default=",".join((*BASELINES, "agentkv")),
-        help="comma-separated; a variant with other parameters runs beside the default as "
-        "name[param=value,...], e.g. agentkv[referee=virtual]",
-    )
-    p.add_argument("--concurrency", type=int_list(1), help="comma-separated (required to run)")
-    p.add_argument("--gpu-blocks", type=int_list(), default="16384")
-    p.add_argument("--host-blocks", type=int_list(), default="0,16384")
-    p.add_argument("--streams", type=int, default=None, help="streams per generated workload")
-    p.add_argument("--profile", default="h200-llama3.1-8b")
-    p.add_argument(
-        "--seed",
-        type=int_list(),
-        default=[0],
-        help="comma-separated: every point is run once per seed (its own generated workloads; "
-        "a trace's workflows in another order of arrival, 0 the recorded one); with several, a "
-        "table over the seeds follows",
-    )
-    p.add_argument("--json", metavar="PATH")
-    p.add_argument(
-        "--plot", metavar="PNG", help="agentkv / best baseline per point and seed, as a chart"
-    )
-    p.add_argument(
-        "--from-json",
-        metavar="PATH[,PATH...]",
-        help="print the tables of a run stored with --json instead of running (and --plot it); "
-        "several runs of the same points with other seeds are read as one",
-    )
-    p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(argv)
-    # (wide tables stay whole in a log; no markup: a variant's label has brackets)
-    console = Console(width=max(160, Console().width), markup=False)
+def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``policyd bench`` (its flags: ``policyd.cli_bench``): every point once per seed, the
+    policies' tables, agentkv against the best baseline (per seed and, with several, over the
+    seeds), the command that reproduces it, and ``--json``, ``--plot``, ``--sweep``'s plot; or,
+    with ``--from-json``, a stored run's tables without running it again. ``argv`` is the
+    command line from ``bench`` on. Raises ``ValueError`` for flags that do not go together."""
+    # (wide tables stay whole in a terminal and a log; no markup: a variant's label has brackets)
+    probe = Console()
+    console = Console(width=max(160 if probe.is_terminal else 200, probe.width), markup=False)
+    quiet = args.json == "-"  # (stdout is the JSON's)
     by_seed: dict[int, list[Report]] = {}
+    specs: list[BenchSpec] = []
     if args.from_json:
-        if args.json or args.workload or args.concurrency:
-            p.error(
-                "--from-json re-reads a stored run: it takes no --json, --workload, --concurrency"
+        given = [
+            flag
+            for flag, value in (
+                ("--json", args.json),
+                ("--workload", args.workload),
+                ("--concurrency", args.concurrency),
+                ("--sweep", args.sweep),
             )
+            if value
+        ]
+        if given:
+            raise ValueError(f"--from-json re-reads a stored run: it takes no {', '.join(given)}")
         paths = [path for path in args.from_json.split(",") if path]
         if not paths:
-            p.error("--from-json takes a path, or several separated by commas")
-        try:
-            by_seed, command = reports_from_jsons(paths)
-        except ValueError as e:
-            p.error(str(e))
+            raise ValueError("--from-json takes a path, or several separated by commas")
+        by_seed, reproduce = reports_from_jsons(paths)
         profile = next(iter(by_seed.values()))[0].profile
         for seed, reports in by_seed.items():
             _print_seed(console, reports, _title(profile, seed, len(by_seed)))
     else:
-        if not args.workload or not args.concurrency:
-            p.error("--workload and --concurrency are required (or --from-json)")
         seeds: list[int] = list(dict.fromkeys(args.seed))
+        if args.sweep and len(seeds) > 1:
+            raise ValueError("--sweep plots one seed's run: give --seed a single value")
+        concurrency = args.concurrency or list(
+            SWEEP_CONCURRENCY if args.sweep else DEFAULT_CONCURRENCY
+        )
         specs = [
             BenchSpec(
-                workloads=[w for w in args.workload.split(",") if w],
-                policies=split_policies(args.policies),
-                concurrency=args.concurrency,
+                workloads=args.workload or list(DEFAULT_WORKLOADS),
+                policies=args.policies,
+                concurrency=concurrency,
                 gpu_blocks=args.gpu_blocks,
                 host_blocks=args.host_blocks,
                 profile=args.profile,
                 seed=seed,
+                noise=args.noise,
                 streams=args.streams,
+                max_ranked_blocks=args.max_ranked_blocks,
+                max_pinned_blocks=args.max_pinned_blocks,
+                step_ops=args.step_ops,
             )
             for seed in seeds
         ]
-        command = "python -m policyd.bench " + shlex.join(argv)
+        reproduce = reproduce_command(argv)
         for spec in specs:  # (each seed's tables as soon as it has run)
             reports = by_seed[spec.seed] = run_bench(spec, show_progress=not args.no_progress)
-            _print_seed(console, reports, _title(spec.profile, spec.seed, len(specs)))
-    if len(by_seed) > 1:
-        for ours in ours_labels(r for reports in by_seed.values() for r in reports):
-            console.print(across_seeds(by_seed, ours))
-    console.print(f"reproduce: {command}")
-    if args.plot:
-        plot_versus(by_seed, args.plot, command)
-        console.print(f"plot: {args.plot}")
+            if not quiet:
+                _print_seed(console, reports, _title(spec.profile, spec.seed, len(specs)))
+    if not quiet:
+        if len(by_seed) > 1:
+            for ours in _compared(r for reports in by_seed.values() for r in reports):
+                console.print(across_seeds(by_seed, ours))
+        console.print(f"reproduce: {reproduce}")
+    plot = args.plot
+    if args.sweep:
+        plot = plot or f"docs/figures/sweep-concurrency-{'-'.join(specs[0].workloads)}.png"
+        plot_sweep(by_seed[specs[0].seed], plot, reproduce)
+    elif plot:
+        plot_versus(by_seed, plot, reproduce)
+    if plot and not quiet:
+        console.print(f"plot: {plot}")
     if args.json:
-        payload = bench_json([], specs[0], command)
-        payload["spec"]["seed"] = seeds[0] if len(seeds) == 1 else seeds
+        payload = bench_json([], specs[0], reproduce)
+        payload["spec"]["seed"] = specs[0].seed if len(specs) == 1 else [s.seed for s in specs]
         payload["results"] = [
             {**r.to_json(), "seed": seed} for seed, reports in by_seed.items() for r in reports
         ]
         write_json(payload, args.json)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m policyd.bench``: an alias of ``policyd bench``, the same flags and command."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return command(args, ["bench", *argv])
+    except ValueError as e:
+        parser.error(str(e))
 
 
 if __name__ == "__main__":

@@ -10,47 +10,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from policyd import cli_daemon, cli_history
-from policyd.arguments import fraction_list, int_list
-from policyd.names import POLICY_NAMES, TRACE_FORMATS
-from policyd.sim.profiles import PROFILES
-from policyd.tiers.gpu import DEFAULT_STEP_OPS
+from policyd import cli_bench, cli_daemon, cli_history
+from policyd.names import TRACE_FORMATS
 from policyd.workloads import WORKLOADS
 
 if TYPE_CHECKING:
     from rich.console import Console
-
-_ints = int_list()
-_fractions = fraction_list()
-
-
-def _names(valid: Sequence[str], what: str) -> Callable[[str], list[str]]:
-    def parse(text: str) -> list[str]:
-        names = [v.strip() for v in text.split(",") if v.strip()]
-        unknown = [n for n in names if n not in valid]
-        if unknown or not names:
-            raise argparse.ArgumentTypeError(
-                f"unknown {what} {', '.join(unknown) or text!r}; valid: {', '.join(sorted(valid))}"
-            )
-        return names
-
-    return parse
-
-
-def _workloads(text: str) -> list[str]:
-    items = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in items if v not in WORKLOADS and not Path(v).exists()]
-    if bad or not items:
-        raise argparse.ArgumentTypeError(
-            f"{', '.join(bad) or repr(text)}: neither a workload generator "
-            f"({', '.join(sorted(WORKLOADS))}) nor an existing trace path"
-        )
-    return items
-
 
 # subcommands with a parser of their own (their module's ``main``), imported only when run
 OWN_PARSERS: dict[str, tuple[str, str]] = {
@@ -95,82 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    bench = sub.add_parser(
-        "bench",
-        help="replay workloads through the two-tier cache model under each policy",
-        description="Policies x workloads x concurrency x capacities; belady is always run "
-        "alongside so every policy is reported as a fraction of the oracle.",
-    )
-    bench.add_argument(
-        "--workload",
-        type=_workloads,
-        default=["synthetic"],
-        help=f"comma-separated generator names ({', '.join(sorted(WORKLOADS))}) or trace paths "
-        "(mini-swe-agent tar/dir, Who&When json/dir, Mooncake jsonl, AgentKV calls jsonl)",
-    )
-    bench.add_argument(
-        "--policies",
-        type=_names(POLICY_NAMES, "policy"),
-        default=["lru", "belady"],
-        help=f"comma-separated, from: {', '.join(sorted(POLICY_NAMES))}",
-    )
-    bench.add_argument(
-        "--concurrency", type=_ints, default=None, help="default 8,32; e.g. 8,32,128"
-    )
-    bench.add_argument("--gpu-blocks", type=_ints, default=[4096], help="GPU tier sizes, blocks")
-    bench.add_argument("--host-blocks", type=_ints, default=[0, 16384], help="host tier sizes")
-    bench.add_argument(
-        "--profile",
-        choices=sorted(PROFILES),
-        default="h200-llama3.1-8b",
-        help="hardware profile of the cost model",
-    )
-    bench.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="workload generator seed (a trace: its workflows in another order; 0 as recorded)",
-    )
-    bench.add_argument(
-        "--noise",
-        type=_fractions,
-        default=[],
-        help="also run pbkv with these fractions of random predictions, e.g. 0,0.5,1 "
-        "(the degradation curve; lru is the floor)",
-    )
-    bench.add_argument(
-        "--max-ranked-blocks",
-        type=int,
-        default=None,
-        help="the connector's cap on GPU blocks a snapshot re-ranks (agentkv_max_ranked_blocks; "
-        "default 2048, or the whole pool if smaller)",
-    )
-    bench.add_argument(
-        "--max-pinned-blocks",
-        type=int,
-        default=None,
-        help="the connector's cap on GPU blocks a snapshot pins (agentkv_max_pinned_blocks; "
-        "default 1%% of the GPU pool)",
-    )
-    bench.add_argument(
-        "--step-ops",
-        type=_step_ops,
-        default=DEFAULT_STEP_OPS,
-        help="GPU plan operations the connector performs per scheduler step "
-        f"(agentkv_step_ops; default {DEFAULT_STEP_OPS}; 'all': each plan whole when adopted)",
-    )
-    bench.add_argument(
-        "--json", metavar="PATH", help="also write the results as JSON ('-' = stdout)"
-    )
-    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
-    bench.add_argument(
-        "--sweep",
-        choices=["concurrency"],
-        help="sweep concurrency (default 1,2,4,...,128 unless --concurrency is given) and plot it",
-    )
-    bench.add_argument(
-        "--plot", metavar="PNG", help="where the sweep's plot goes (default docs/sweep-*.png)"
-    )
+    cli_bench.add_parser(sub)
 
     trace = sub.add_parser("trace", help="inspect agent traces")
     trace_sub = trace.add_subparsers(dest="trace_command", required=True)
@@ -216,57 +110,10 @@ def _console() -> Console:
     return console if console.is_terminal else Console(width=200)
 
 
-def _step_ops(text: str) -> int | None:
-    if text == "all":
-        return None
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("--step-ops must be >= 1, or 'all'")
-    return value
-
-
-SWEEP_CONCURRENCY = [1, 2, 4, 8, 16, 32, 64, 128]
-
-
 def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from policyd.bench import (  # noqa: PLC0415 - see the module's contract
-        BenchSpec,
-        bench_json,
-        plot_sweep,
-        render_table,
-        reproduce_command,
-        run_bench,
-        write_json,
-    )
+    from policyd.bench import command  # noqa: PLC0415 - see the module's contract
 
-    concurrency = args.concurrency or (SWEEP_CONCURRENCY if args.sweep else [8, 32])
-    spec = BenchSpec(
-        workloads=args.workload,
-        policies=args.policies,
-        concurrency=concurrency,
-        gpu_blocks=args.gpu_blocks,
-        host_blocks=args.host_blocks,
-        profile=args.profile,
-        seed=args.seed,
-        noise=args.noise,
-        max_ranked_blocks=args.max_ranked_blocks,
-        max_pinned_blocks=args.max_pinned_blocks,
-        step_ops=args.step_ops,
-    )
-    console = _console()
-    command = reproduce_command(argv)
-    reports = run_bench(spec, show_progress=not args.no_progress)
-    if args.json != "-":
-        console.print(render_table(reports, f"policyd bench - profile {spec.profile}"))
-        console.print(f"reproduce: {command}")
-    if args.json:
-        write_json(bench_json(reports, spec, command), args.json)
-    if args.sweep:
-        path = args.plot or f"docs/figures/sweep-concurrency-{'-'.join(spec.workloads)}.png"
-        plot_sweep(reports, path, command)
-        if args.json != "-":
-            console.print(f"plot: {path}")
-    return 0
+    return command(args, argv)
 
 
 def _throughput(args: argparse.Namespace, argv: Sequence[str]) -> int:

@@ -8,10 +8,18 @@ import pytest
 from rich.console import Console
 
 from policyd.bench import BenchSpec, across_seeds, run_bench, seed_summaries
-from policyd.bench import main as bench_main
-from policyd.cli import main
+from policyd.bench import main as python_m_bench
+from policyd.cli import build_parser, main
 from policyd.sim.report import Report
 from policyd.workloads import make_workload
+
+
+def bench_main(argv: list[str]) -> int:
+    """``policyd bench ARGV``; a refusal's exit status whether argparse or the command refuses."""
+    try:
+        return main(["bench", *argv])
+    except SystemExit as exc:
+        return int(exc.code or 0)
 
 
 def small(name: str):
@@ -170,7 +178,7 @@ def test_the_paired_interval_tells_a_consistent_shortfall_from_the_seed_spread()
     assert seed_summaries({0: steady[0]})[point].interval() is None  # one seed: no interval
 
 
-def test_python_m_bench_runs_every_seed_and_tags_the_json_rows(tmp_path, capsys):
+def test_bench_runs_every_seed_and_tags_the_json_rows(tmp_path, capsys):
     out = tmp_path / "seeds.json"
     argv = ["--workload", "code-writing", "--policies", "lru,agentkv", "--concurrency", "4"]
     argv += ["--streams", "6", "--gpu-blocks", "3000", "--host-blocks", "0", "--seed", "0,1"]
@@ -188,7 +196,7 @@ def test_python_m_bench_runs_every_seed_and_tags_the_json_rows(tmp_path, capsys)
     assert "seed 1" in text
 
 
-def test_python_m_bench_reprints_a_stored_run_from_its_json(tmp_path, capsys):
+def test_bench_reprints_a_stored_run_from_its_json(tmp_path, capsys):
     out = tmp_path / "run.json"
     argv = ["--workload", "code-writing", "--policies", "lru,agentkv", "--concurrency", "4"]
     argv += ["--streams", "6", "--gpu-blocks", "3000", "--host-blocks", "0", "--seed", "0,1"]
@@ -210,7 +218,7 @@ def test_python_m_bench_reprints_a_stored_run_from_its_json(tmp_path, capsys):
     assert "over 2 seeds (0, 1)" in again
 
 
-def test_python_m_bench_reads_runs_of_other_seeds_as_one_and_refuses_unlike_runs(tmp_path, capsys):
+def test_bench_reads_runs_of_other_seeds_as_one_and_refuses_unlike_runs(tmp_path, capsys):
     argv = ["--workload", "code-writing", "--policies", "lru,agentkv", "--concurrency", "4"]
     argv += ["--streams", "6", "--gpu-blocks", "3000", "--host-blocks", "0", "--no-progress"]
     both, first, second = (tmp_path / f"{name}.json" for name in ("both", "first", "second"))
@@ -239,52 +247,115 @@ def test_python_m_bench_reads_runs_of_other_seeds_as_one_and_refuses_unlike_runs
         (f"{first},{both}", "seed 0 is in"),
         (f"{second},{first},{second}", "seed 1 is in"),
     ):
-        with pytest.raises(SystemExit) as exc:
-            bench_main(["--from-json", paths])
-        assert exc.value.code == 2
+        assert bench_main(["--from-json", paths]) == 2
         assert message in capsys.readouterr().err
     other = tmp_path / "other.json"
     argv[argv.index("3000")] = "2000"
     assert bench_main([*argv, "--seed", "1", "--json", str(other)]) == 0
     capsys.readouterr()
-    with pytest.raises(SystemExit) as exc:
-        bench_main(["--from-json", f"{first},{other}"])
-    assert exc.value.code == 2
+    assert bench_main(["--from-json", f"{first},{other}"]) == 2
     err = capsys.readouterr().err
     assert "not runs of the same points" in err and "gpu_blocks" in err
+    assert bench_main(["--from-json", ","]) == 2
+    assert "takes a path" in capsys.readouterr().err
+
+
+def test_bench_from_json_refuses_what_is_not_a_stored_run(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    for content in ("{not json", '{"results": [{"policy": "lru"}]}', '{"results": []}', "[]"):
+        bad.write_text(content)
+        assert bench_main(["--from-json", str(bad)]) == 2
+        assert str(bad) in capsys.readouterr().err
+    assert bench_main(["--from-json", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read it" in capsys.readouterr().err
+    # a stored run is re-read, not run again: what would specify a run is refused beside it
+    for extra in (
+        ["--workload", "code-writing"],
+        ["--concurrency", "4"],
+        ["--sweep", "concurrency"],
+    ):
+        assert bench_main(["--from-json", str(bad), *extra]) == 2
+        assert f"it takes no {extra[0]}" in capsys.readouterr().err
+
+
+def test_bench_refuses_bad_seeds(capsys):
+    for seed in ("-1", "zero", ""):
+        assert bench_main(["--workload", "code-writing", "--concurrency", "4", "--seed", seed]) == 2
+    assert "expected" in capsys.readouterr().err
+    for option, value in (
+        ("--concurrency", "0"),
+        ("--gpu-blocks", "x"),
+        ("--host-blocks", "-1"),
+        ("--streams", "0"),
+        ("--step-ops", "x"),
+    ):
+        argv = ["--workload", "code-writing", "--concurrency", "4", option, value]
+        assert bench_main(argv) == 2
+    assert "expected" in capsys.readouterr().err
+
+
+def test_the_one_parser_takes_the_flags_python_m_bench_alone_had():
+    """``python -m policyd.bench``'s own flags (--streams, seeds as a list, policy variants,
+    --plot without --sweep, --from-json) are ``policyd bench``'s, beside its old ones."""
+    argv = ["bench", "--workload", "code-writing,financial", "--concurrency", "24"]
+    argv += ["--streams", "32", "--gpu-blocks", "8192", "--host-blocks", "0,4096"]
+    argv += ["--seed", "0,1,2", "--policies", "lru,pbkv,agentkv[referee=virtual,referee_window=64]"]
+    argv += ["--plot", "seeds.png", "--json", "seeds.json", "--no-progress"]
+    argv += ["--noise", "0,1", "--step-ops", "all", "--max-ranked-blocks", "512"]
+    argv += ["--max-pinned-blocks", "8", "--profile", "h200-llama3.1-8b"]
+    args = build_parser().parse_args(argv)
+    assert args.streams == 32
+    assert args.seed == [0, 1, 2]
+    assert args.policies == ["lru", "pbkv", "agentkv[referee=virtual,referee_window=64]"]
+    assert args.plot == "seeds.png" and args.sweep is None
+    assert args.step_ops is None and args.noise == [0.0, 1.0]
+    assert build_parser().parse_args(["bench", "--from-json", "a.json,b.json"]).from_json == (
+        "a.json,b.json"
+    )
+    # policyd bench's defaults, whichever command the flags came from
+    defaults = build_parser().parse_args(["bench"])
+    assert defaults.policies == ["lru", "belady"]
+    assert defaults.gpu_blocks == [4096] and defaults.host_blocks == [0, 16384]
+    assert defaults.seed == [0] and defaults.streams is None
+    assert defaults.profile == "h200-llama3.1-8b"
+
+
+def test_python_m_bench_is_an_alias_of_policyd_bench(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
-        bench_main(["--from-json", ","])
+        python_m_bench(["--help"])
+    assert exc.value.code == 0
+    alias_help = capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--help"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == alias_help  # one declaration of the flags
+    assert alias_help.startswith("usage: policyd bench")
+    argv = ["--workload", "code-writing", "--streams", "6", "--concurrency", "4"]
+    argv += ["--gpu-blocks", "3000", "--host-blocks", "0", "--policies", "lru,agentkv"]
+    alias, merged = tmp_path / "alias.json", tmp_path / "merged.json"
+    assert python_m_bench([*argv, "--no-progress", "--json", str(alias)]) == 0
+    assert main(["bench", *argv, "--no-progress", "--json", str(merged)]) == 0
+    capsys.readouterr()
+    rows = [json.loads(path.read_text()) for path in (alias, merged)]
+    # both reproduce as policyd bench
+    assert rows[0]["command"].replace(str(alias), str(merged)) == rows[1]["command"]
+    assert rows[0]["command"].startswith("policyd bench --workload code-writing")
+    timing = {"wall_s", "refs_per_s"}
+    figures = [
+        [{k: v for k, v in r.items() if k not in timing} for r in run["results"]] for run in rows
+    ]
+    assert figures[0] == figures[1]  # (the replay's own speed aside)
+    # the command's refusals are the alias's, as argparse errors
+    with pytest.raises(SystemExit) as exc:
+        python_m_bench(["--from-json", ","])
     assert exc.value.code == 2
     assert "takes a path" in capsys.readouterr().err
 
 
-def test_python_m_bench_from_json_refuses_what_is_not_a_stored_run(tmp_path, capsys):
-    bad = tmp_path / "bad.json"
-    for content in ("{not json", '{"results": [{"policy": "lru"}]}', '{"results": []}', "[]"):
-        bad.write_text(content)
-        with pytest.raises(SystemExit) as exc:
-            bench_main(["--from-json", str(bad)])
-        assert exc.value.code == 2
-        assert str(bad) in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exc:
-        bench_main(["--from-json", str(tmp_path / "missing.json")])
-    assert exc.value.code == 2
-    assert "cannot read it" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exc:  # neither a stored run nor a run to make
-        bench_main(["--seed", "0"])
-    assert exc.value.code == 2
-    assert "--workload and --concurrency are required" in capsys.readouterr().err
-
-
-def test_python_m_bench_refuses_bad_seeds(capsys):
-    for seed in ("-1", "zero", ""):
-        with pytest.raises(SystemExit) as exc:
-            bench_main(["--workload", "code-writing", "--concurrency", "4", "--seed", seed])
-        assert exc.value.code == 2
-    assert "expected" in capsys.readouterr().err
-    for option, value in (("--concurrency", "0"), ("--gpu-blocks", "x"), ("--host-blocks", "-1")):
-        argv = ["--workload", "code-writing", "--concurrency", "4", option, value]
-        with pytest.raises(SystemExit) as exc:
-            bench_main(argv)
-        assert exc.value.code == 2
-    assert "expected" in capsys.readouterr().err
+def test_bench_without_agentkv_prints_no_comparison_table(capsys):
+    argv = ["bench", "--workload", "code-writing", "--streams", "6", "--concurrency", "4"]
+    argv += ["--gpu-blocks", "3000", "--host-blocks", "0", "--no-progress"]
+    assert main(argv) == 0  # the default policies, lru and belady
+    out = capsys.readouterr().out
+    assert "policyd bench - profile h200-llama3.1-8b" in out
+    assert "vs the best baseline" not in out

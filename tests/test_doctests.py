@@ -8,6 +8,7 @@ from types import ModuleType
 import pytest
 
 import policyd.bench
+import policyd.cli_bench
 import policyd.daemon.ingest
 import policyd.daemon.settings
 import policyd.history.safe_sql
@@ -26,6 +27,7 @@ import policyd.workloads.chats
     "module",
     [
         policyd.bench,
+        policyd.cli_bench,
         policyd.daemon.ingest,
         policyd.daemon.settings,
         policyd.history.safe_sql,
