@@ -65,7 +65,7 @@ bench-throughput: setup
 bench-predictor: setup
 	rm -rf build/predictor
 	AGENTKV_COMPILE=1 $(PY) -m pip install -q --no-deps --target build/predictor .
-	$(PY) -m policyd.predictor_builds build/predictor
+	$(PY) -m experiments.predictor_builds build/predictor
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -4,6 +4,7 @@ FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml setup.py README.md ./
 COPY policyd ./policyd
+COPY experiments ./experiments
 COPY connector ./connector
 COPY ui ./ui
 COPY migrations ./migrations

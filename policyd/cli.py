@@ -3,6 +3,8 @@
 Contract: building the parser (``policyd --help``, or any subcommand's parsing) imports only the
 standard library and light vocabulary (``policyd.names``, the workload and profile names); each
 handler imports what its command runs when it runs (``policyd bench-cli`` measures the start).
+The benchmarks and evaluations are named here only as module strings, imported by ``importlib``
+when their command runs: the package never imports them otherwise (tests/test_layers.py).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from policyd import cli_bench, cli_daemon, cli_history
 from policyd.names import TRACE_FORMATS
@@ -23,24 +25,30 @@ if TYPE_CHECKING:
 
 # subcommands with a parser of their own (their module's ``main``), imported only when run
 OWN_PARSERS: dict[str, tuple[str, str]] = {
-    "bench-guard": ("policyd.guard_cost", "the recency guard's cost per event beside the engine's"),
+    "bench-guard": (
+        "experiments.guard_cost",
+        "the recency guard's cost per event beside the engine's",
+    ),
     "bench-flood": (
-        "policyd.flood_bench",
+        "experiments.flood_bench",
         "a daemon's decision latency, idle and during a flood of unfinished requests",
     ),
     "bench-soak": (
-        "policyd.soak_bench",
+        "experiments.soak_bench",
         "a long run of valid traffic with invalid frames mixed in: RSS, nothing lost",
     ),
-    "bench-cli": ("policyd.startup_bench", "how long `policyd` takes to start, beside Python"),
-    "bench-history": ("policyd.history.bench", "the history writer's rows a second and its cost"),
+    "bench-cli": ("experiments.startup_bench", "how long `policyd` takes to start, beside Python"),
+    "bench-history": (
+        "experiments.history_bench",
+        "the history writer's rows a second and its cost",
+    ),
     "eval-predictor": (
-        "policyd.predictor_eval",
+        "experiments.predictor_eval",
         "next-agent accuracy at steps 1..3, cost per call",
     ),
-    "eval-mrc": ("policyd.mrc_eval", "the online miss-ratio curve against the exact one"),
+    "eval-mrc": ("experiments.mrc_eval", "the online miss-ratio curve against the exact one"),
     "eval-efficientagent": (
-        "policyd.efficientagent_eval",
+        "experiments.efficientagent_eval",
         "EfficientAgent's host-tier experiment on SWE-bench trajectories",
     ),
     "engine-prompts": (
@@ -52,7 +60,7 @@ OWN_PARSERS: dict[str, tuple[str, str]] = {
         "the simulator against a recorded vLLM engine run (connector.replay --record)",
     ),
     "matrix": (
-        "policyd.matrix",
+        "experiments.matrix",
         "agentkv against every baseline and the bound on every workload",
     ),
 }
@@ -110,15 +118,27 @@ def _console() -> Console:
     return console if console.is_terminal else Console(width=200)
 
 
-def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from policyd.bench import command  # noqa: PLC0415 - see the module's contract
+def _experiment(module: str, name: str) -> Any:
+    """``name`` from the benchmark or evaluation module ``module``, imported now: the package
+    names them only as strings, so that it never imports them but to run one (see the module's
+    contract; tests/test_layers.py)."""
+    return getattr(importlib.import_module(module), name)
 
-    return command(args, argv)
+
+def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    return int(_experiment("experiments.bench", "command")(args, argv))
+
+
+def _bench_ingest(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if args.stages:
+        return int(_experiment("experiments.ingest_cost", "stages_main")(args, argv))
+    return int(_experiment("experiments.ingest_bench", "bench_main")(args, argv))
 
 
 def _throughput(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from policyd.bench import reproduce_command  # noqa: PLC0415 - see the module's contract
-    from policyd.throughput import measure_throughput, render_throughput  # noqa: PLC0415
+    reproduce_command = _experiment("experiments.bench", "reproduce_command")
+    measure_throughput = _experiment("experiments.throughput", "measure_throughput")
+    render_throughput = _experiment("experiments.throughput", "render_throughput")
 
     console = _console()
     result = measure_throughput(refs=args.refs, concurrency=args.concurrency, seed=args.seed)
@@ -169,6 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(module.main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     commands = {"bench": _bench, "throughput": _throughput, "trace": _trace}
+    commands["bench-ingest"] = _bench_ingest
     commands.update(cli_history.COMMANDS)
     commands.update(cli_daemon.COMMANDS)
     try:

@@ -1,9 +1,9 @@
 """``policyd bench``'s flags: the one declaration of them, for ``policyd bench`` and its alias
-``python -m policyd.bench``.
+(``python -m`` on the benchmark's module).
 
 Contract: importing this module costs nothing beyond the standard library and light vocabulary
 (the policy, workload and profile names): ``policyd --help`` builds this parser. The command
-itself is ``policyd.bench.command``, imported when it runs.
+itself is the benchmark module's ``command``, which policyd/cli.py imports when it runs.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """``policyd bench``'s parser on its own (``python -m policyd.bench``)."""
+    """``policyd bench``'s parser on its own (for its ``python -m`` alias)."""
     parser = argparse.ArgumentParser(prog="policyd bench", description=DESCRIPTION)
     add_arguments(parser)
     return parser

@@ -1,9 +1,9 @@
 """``policyd serve`` / ``policyd demo`` / ``policyd bench-ingest``: the daemon's subcommands.
 
 ``add_parsers(subparsers)`` declares them and ``COMMANDS`` maps each to its handler
-``(args, argv) -> exit code``; policyd/cli.py registers both. Contract: importing this module
-and building its parsers import neither the daemon nor the policies; a handler imports what it
-runs.
+``(args, argv) -> exit code`` (``bench-ingest``'s, a benchmark's, is policyd/cli.py's);
+policyd/cli.py registers both. Contract: importing this module and building its parsers import
+neither the daemon nor the policies; a handler imports what it runs.
 """
 
 from __future__ import annotations
@@ -181,18 +181,7 @@ def _demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return demo_main(args, argv)
 
 
-def _bench_ingest(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    if args.stages:
-        from policyd.ingest_cost import stages_main  # noqa: PLC0415 - see the module's contract
-
-        return stages_main(args, argv)
-    from policyd.ingest_bench import bench_main  # noqa: PLC0415
-
-    return bench_main(args, argv)
-
-
 COMMANDS: dict[str, Handler] = {
     "serve": _serve,
     "demo": _demo,
-    "bench-ingest": _bench_ingest,
 }

@@ -7,8 +7,8 @@ import json
 import pytest
 from rich.console import Console
 
-from policyd.bench import BenchSpec, across_seeds, run_bench, seed_summaries
-from policyd.bench import main as python_m_bench
+from experiments.bench import BenchSpec, across_seeds, run_bench, seed_summaries
+from experiments.bench import main as python_m_bench
 from policyd.cli import build_parser, main
 from policyd.sim.report import Report
 from policyd.workloads import make_workload
@@ -295,7 +295,7 @@ def test_bench_refuses_bad_seeds(capsys):
 
 
 def test_the_one_parser_takes_the_flags_python_m_bench_alone_had():
-    """``python -m policyd.bench``'s own flags (--streams, seeds as a list, policy variants,
+    """``python -m experiments.bench``'s own flags (--streams, seeds as a list, policy variants,
     --plot without --sweep, --from-json) are ``policyd bench``'s, beside its old ones."""
     argv = ["bench", "--workload", "code-writing,financial", "--concurrency", "24"]
     argv += ["--streams", "32", "--gpu-blocks", "8192", "--host-blocks", "0,4096"]

@@ -1,7 +1,7 @@
 """The command line starts light: building its parsers (``policyd --help``) and running
-``policyd sql`` import neither the policies (River, the predictor), the daemon, nor the
-history writer's Arrow schema; the names its parsers list equal the registries' (no timing
-here: ``policyd bench-cli`` measures the start)."""
+``policyd sql`` import neither the policies (River, the predictor), the daemon, the history
+writer's Arrow schema, nor the benchmarks and evaluations (``experiments``); the names its
+parsers list equal the registries' (no timing here: ``policyd bench-cli`` measures the start)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+from experiments.startup_bench import render
 from policyd.cli import OWN_PARSERS
 from policyd.daemon.settings import online_policies
 from policyd.names import ONLINE_POLICY_NAMES, ORACLE_POLICY_NAMES, POLICY_NAMES, TRACE_FORMATS
 from policyd.policies import POLICIES
-from policyd.startup_bench import render
 from policyd.traces import READERS
 
 HEAVY = ("river", "pyarrow", "fastapi", "uvicorn", "sqlalchemy", "alembic", "numpy", "scipy")
-HEAVY_POLICYD = ("policyd.policies", "policyd.predictor", "policyd.daemon", "policyd.sim.replay")
+HEAVY_POLICYD = (
+    "policyd.policies",
+    "policyd.predictor",
+    "policyd.daemon",
+    "policyd.sim.replay",
+    "experiments",
+)
 
 
 def _imported_after(code: str) -> set[str]:

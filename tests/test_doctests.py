@@ -7,7 +7,7 @@ from types import ModuleType
 
 import pytest
 
-import policyd.bench
+import experiments.bench
 import policyd.cli_bench
 import policyd.daemon.ingest
 import policyd.daemon.settings
@@ -26,7 +26,7 @@ import policyd.workloads.chats
 @pytest.mark.parametrize(
     "module",
     [
-        policyd.bench,
+        experiments.bench,
         policyd.cli_bench,
         policyd.daemon.ingest,
         policyd.daemon.settings,

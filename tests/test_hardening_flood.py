@@ -11,10 +11,10 @@ from pathlib import Path
 
 import zmq
 
+from experiments.flood_bench import flood_events
 from policyd.daemon import views
 from policyd.daemon.server import start_daemon
 from policyd.engine import Engine
-from policyd.flood_bench import flood_events
 from policyd.policies import make_policy
 from policyd.types import BATCH_CODEC, EventBatch, RequestFinished
 from tests.test_daemon import settings_for, wait_for

@@ -11,6 +11,18 @@ from pathlib import Path
 
 import pytest
 
+from experiments.ingest_bench import (
+    CONCURRENT_WORKFLOWS,
+    RESIDENT_WINDOW_BLOCKS,
+    FrameSource,
+    StreamShape,
+    kept_up,
+    plot_rss,
+    render,
+    render_sweep,
+    run_bench,
+)
+from experiments.ingest_cost import stage_costs
 from policyd.daemon import views
 from policyd.daemon.ingest import (
     HARD_BOUND_FACTOR,
@@ -22,18 +34,6 @@ from policyd.daemon.ingest import (
 from policyd.daemon.service import Service
 from policyd.daemon.settings import DaemonSettings
 from policyd.engine import Engine
-from policyd.ingest_bench import (
-    CONCURRENT_WORKFLOWS,
-    RESIDENT_WINDOW_BLOCKS,
-    FrameSource,
-    StreamShape,
-    kept_up,
-    plot_rss,
-    render,
-    render_sweep,
-    run_bench,
-)
-from policyd.ingest_cost import stage_costs
 from policyd.policies import make_policy
 from policyd.types import (
     BATCH_CODEC,

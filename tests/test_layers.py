@@ -1,16 +1,31 @@
-"""The package's layers, read from its source: no import loop (type-only imports included),
-and no layer importing one above it (docs/ARCHITECTURE.md)."""
+"""The project's layers, read from its source: no import loop (type-only imports included),
+and no layer importing one above it (docs/ARCHITECTURE.md). The benchmarks and evaluations
+(``experiments``) sit on top: they import the serving packages, none of which imports them, but
+for ``policyd/cli.py``, which names their modules as strings that ``importlib`` imports when a
+command runs."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "policyd"
+PACKAGES = ("policyd", "experiments", "connector", "ui")
+EXPERIMENTS = ("experiments",)
+
+# tools of their own inside a serving package, which may import the experiments
+TOOLS = frozenset({"connector.replay", "connector.bench_step"})
+
+# the one module that names the experiments (as strings, for importlib)
+DISPATCH = ROOT / "policyd" / "cli.py"
 
 # layer -> the layers (module prefixes) it must not import
 FORBIDDEN: dict[str, tuple[str, ...]] = {
+    # the serving packages never import the experiments
+    "policyd": EXPERIMENTS,
+    "connector": EXPERIMENTS,
+    "ui": EXPERIMENTS,
     # the core: vocabulary, state, engine, structures
     "policyd.types": ("policyd.",),
     "policyd.state": ("policyd.engine", "policyd.policies", "policyd.sim", "policyd.daemon"),
@@ -32,7 +47,7 @@ def module_name(path: Path) -> str:
 def import_graph() -> dict[str, set[str]]:
     """Module -> the package's modules it imports, anywhere in its source (a function's or
     ``TYPE_CHECKING`` block's imports included)."""
-    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = {module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
 
     def resolve(name: str) -> str | None:
         while name and name not in modules:
@@ -50,7 +65,7 @@ def import_graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             for name in names:
-                target = resolve(name) if name.startswith("policyd") else None
+                target = resolve(name) if name.split(".")[0] in PACKAGES else None
                 if target is not None and target != module:
                     graph[module].add(target)
     return graph
@@ -114,10 +129,13 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
         for layer, banned in FORBIDDEN.items():
             if module != layer and not module.startswith(layer + "."):
                 continue
+            if module in TOOLS:
+                continue
             upward += [
                 f"{module} -> {target}"
                 for target in sorted(targets)
-                if any(target.startswith(b) for b in banned) and not target.startswith(layer)
+                if any(target == b or target.startswith(b + ".") for b in banned)
+                and not target.startswith(layer)
             ]
     return upward
 
@@ -129,3 +147,42 @@ def test_no_layer_imports_one_above_it() -> None:
 def test_an_upward_import_is_named() -> None:
     graph = {"policyd.policies.virtual": {"policyd.sim.cache", "policyd.queues"}}
     assert upward_imports(graph) == ["policyd.policies.virtual -> policyd.sim.cache"]
+
+
+def test_the_serving_packages_never_import_the_experiments() -> None:
+    graph = {
+        "policyd.cli": {"policyd.names"},
+        "policyd.sim.replay": {"experiments.bench"},
+        "connector.replay": {"experiments.bench", "policyd.sim.replay"},
+        "ui.app": {"experiments.matrix"},
+        "experiments.matrix": {"experiments.bench", "policyd.sim.replay"},
+    }
+    assert upward_imports(graph) == [
+        "policyd.sim.replay -> experiments.bench",
+        "ui.app -> experiments.matrix",
+    ]
+
+
+# ``experiments.<module>`` or ``experiments/<module>``, anywhere in a file's text
+EXPERIMENT_REFERENCE = re.compile(r"\bexperiments[./][A-Za-z_]")
+
+
+def test_only_the_command_line_names_the_experiments_and_only_as_importlib_strings() -> None:
+    experiments = {module_name(p) for p in (ROOT / "experiments").rglob("*.py")}
+    named: list[str] = []
+    for package in ("policyd", "connector", "ui"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if module_name(path) in TOOLS:
+                continue
+            text = path.read_text()
+            if path != DISPATCH:
+                assert not EXPERIMENT_REFERENCE.search(text), path.relative_to(ROOT)
+                continue
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    named += [node.value] if node.value.startswith("experiments.") else []
+    assert named, "policyd/cli.py dispatches no command to the experiments"
+    assert sorted(set(named) - experiments) == []  # each string a module that exists
+    # ...and nowhere but in strings: no docstring nor comment points there either
+    text = DISPATCH.read_text()
+    assert len(EXPERIMENT_REFERENCE.findall(text)) == len(named)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policyd.matrix import (
+from experiments.matrix import (
     OURS,
     Point,
     PointResult,

@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 
 import policyd.mrc
 import policyd.shards
+from experiments.mrc_eval import interleave
 from policyd.mrc import (
     GiB,
     MissRatioCurve,
     mean_absolute_error,
     recommend,
 )
-from policyd.mrc_eval import interleave
 from policyd.shards import DistanceHistogram, Shards
 from policyd.stackdist import ReferenceStream, leading_runs, stack_distances
 from policyd.traces.location import SWE_TRAJECTORIES, TRACES_ENV, local_trace

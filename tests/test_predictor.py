@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from river import checks, metrics, utils
 
-from policyd import predictor_eval
+from experiments import predictor_eval
+from experiments.predictor_eval import MarkovBaseline, evaluate, interleave
 from policyd.predictor import (
     END,
     START,
@@ -34,7 +35,6 @@ from policyd.predictor import (
 )
 from policyd.predictor import forecast as forecast_module
 from policyd.predictor.backoff import BackoffClassifier
-from policyd.predictor_eval import MarkovBaseline, evaluate, interleave
 from policyd.traces.location import WHO_AND_WHEN, local_trace
 from policyd.traces.whowhen import whowhen_workload
 from policyd.types import HintValue

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from policyd import predictor_builds
+from experiments import predictor_builds
 from policyd.predictor import SOURCES, compiled_modules
 from policyd.traces.location import WHO_AND_WHEN, local_trace
 
@@ -154,7 +154,7 @@ def test_the_compiled_predictor_serves_the_same_forecasts(tmp_path: Path) -> Non
     source.mkdir()
     for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(REPO / name, source / name)
-    for package in ("policyd", "connector", "ui"):
+    for package in ("policyd", "experiments", "connector", "ui"):
         shutil.copytree(
             REPO / package,
             source / package,
@@ -177,7 +177,7 @@ def test_the_compiled_predictor_serves_the_same_forecasts(tmp_path: Path) -> Non
         [
             sys.executable,
             "-m",
-            "policyd.predictor_builds",
+            "experiments.predictor_builds",
             str(install),
             "--workloads",
             "who-and-when,code-writing" if WHOWHEN is not None else "fact-checking,code-writing",

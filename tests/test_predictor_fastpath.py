@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from river import preprocessing
 
+from experiments.predictor_eval import interleave
 from policyd.predictor import END, Forecast, Predictor, context, mixture, rollout, tracking
-from policyd.predictor_eval import interleave
 from policyd.types import HintValue
 from policyd.workload import Call
 from policyd.workloads.pbkv import code_writing, fact_checking

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import policyd.stackdist
+from experiments.mrc_eval import interleave
 from policyd.mrc import MissRatioCurve
-from policyd.mrc_eval import interleave
 from policyd.stackdist import (
     COLD,
     ReferenceStream,

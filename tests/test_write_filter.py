@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from functools import cache
 
-from policyd.mrc_eval import interleave
+from experiments.mrc_eval import interleave
 from policyd.policies import make_policy
 from policyd.policies.base import Policy
 from policyd.sim.audit import DeclineAudit

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import zmq
 
-from policyd.ingest_bench import _daemon_rss_bytes, _pct, start_serve
+from experiments.ingest_bench import _daemon_rss_bytes, _pct, start_serve
 from policyd.types import (
     BATCH_CODEC,
     BlocksStored,

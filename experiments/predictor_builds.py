@@ -3,7 +3,7 @@ call side by side, and proof that both serve the same forecasts.
 
 Given a compiled install of the project (``AGENTKV_COMPILE=1 pip install --no-deps --target DIR
 .``; ``make bench-predictor`` builds one and runs this), every workload is replayed by
-``policyd.predictor_eval`` in a subprocess that imports the project from that install, once
+``experiments.predictor_eval`` in a subprocess that imports the project from that install, once
 compiled and once with ``AGENTKV_INTERPRETED=1`` (the same files, the source run instead),
 alternating the builds' order from round to round. Each run reports its cost per call in units
 of a reference loop timed beside it (see ``predictor_eval``); a build's figure is the median
@@ -11,7 +11,7 @@ over its rounds, and the ratio compares the two builds' figures from the same ru
 command. The forecasts' SHA-256 must be the same for both builds: the compiled build is only
 faster, never different.
 
-Run ``python -m policyd.predictor_builds DIR`` (``--help`` for the knobs).
+Run ``python -m experiments.predictor_builds DIR`` (``--help`` for the knobs).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from experiments.predictor_eval import TARGET_US, WORKLOADS
 from policyd.predictor import compiled_modules
-from policyd.predictor_eval import TARGET_US, WORKLOADS
 from policyd.traces.location import TRACES_ENV, WHO_AND_WHEN, local_trace
 
 BUILDS = ("interpreted", "compiled")
@@ -49,7 +49,7 @@ def run_build(
     command = [
         sys.executable,
         "-m",
-        "policyd.predictor_eval",
+        "experiments.predictor_eval",
         "--workloads",
         workload,
         *options,
@@ -121,7 +121,7 @@ def compare(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m policyd.predictor_builds",
+        prog="python -m experiments.predictor_builds",
         description="The compiled predictor's cost per call against the interpreted one's.",
     )
     parser.add_argument(
@@ -194,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "forecast served, equal across builds and rounds"
     )
     given = sys.argv[1:] if argv is None else argv
-    command = ["python", "-m", "policyd.predictor_builds", *given]
+    command = ["python", "-m", "experiments.predictor_builds", *given]
     console.print(f"reproduce: {shlex.join(command)}", soft_wrap=True)
     if differ:
         console.print(f"[red]the builds served different forecasts on {', '.join(differ)}[/red]")

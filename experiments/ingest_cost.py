@@ -23,12 +23,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from experiments.ingest_bench import FrameSource, StreamShape
 from policyd.daemon.ingest import Received
 from policyd.daemon.service import Service, _tune_gc
 from policyd.daemon.settings import DaemonSettings
 from policyd.history import History, HistoryConfig
 from policyd.history.process import HistoryProcess
-from policyd.ingest_bench import FrameSource, StreamShape
 from policyd.types import BATCH_CODEC
 
 STAGE_BLOCK_EVENTS = 800_000  # per measurement, whatever the packaging

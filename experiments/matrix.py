@@ -38,7 +38,7 @@ from typing import Any, Final
 from rich.console import Console
 from rich.table import Table
 
-from policyd.bench import STREAM_PARAMS
+from experiments.bench import STREAM_PARAMS
 from policyd.sim.replay import SimConfig, computed_tokens, simulate
 from policyd.traces import READERS, detect_format, load_trace
 from policyd.workload import Workload

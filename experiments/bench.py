@@ -3,7 +3,7 @@
 Every point also replays ``belady`` on the same workload and capacities, so each policy's hit rate
 is reported as a fraction of the oracle's, and agentkv against the best baseline. The command line
 that reproduces a run is printed with its tables and stored in its JSON. ``command`` is the
-command (``policyd.cli_bench`` declares its flags); ``python -m policyd.bench`` is an alias.
+command (``policyd.cli_bench`` declares its flags); ``python -m experiments.bench`` is an alias.
 """
 
 from __future__ import annotations
@@ -726,7 +726,7 @@ def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m policyd.bench``: an alias of ``policyd bench``, the same flags and command."""
+    """``python -m experiments.bench``: an alias of ``policyd bench``, its flags and command."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)

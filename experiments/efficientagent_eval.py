@@ -39,7 +39,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from policyd.mrc_eval import load_swe
+from experiments.mrc_eval import load_swe
 from policyd.policies import make_policy
 from policyd.policies.efficientagent import EfficientAgent
 from policyd.sim.profiles import get_profile

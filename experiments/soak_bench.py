@@ -31,8 +31,8 @@ from typing import Any, Final
 
 import httpx
 
-from policyd.flood_bench import AGENTS, Sender
-from policyd.ingest_bench import _daemon_rss_bytes, start_serve
+from experiments.flood_bench import AGENTS, Sender
+from experiments.ingest_bench import _daemon_rss_bytes, start_serve
 from policyd.memory import rss_bytes
 from policyd.types import (
     BATCH_CODEC,

@@ -411,7 +411,7 @@ def predictor_variants(
 
 
 def result_record(r: Result, k: int, digest: str) -> dict[str, Any]:
-    """What ``--json`` writes of one result (``policyd.predictor_builds`` reads it)."""
+    """What ``--json`` writes of one result (``experiments.predictor_builds`` reads it)."""
     return {
         "name": r.name,
         "build": BUILD,
