@@ -801,7 +801,7 @@ class AgentKVConnector(OffloadingConnector):
     def _at_lookup(
         self, rt: ConnectorRuntime, request: Any, num_computed_tokens: int, host: int | None
     ) -> None:
-        """One guarded call per prefix lookup (a guard's own clocks cost ~3 us). First a new
+        """One guarded call per prefix lookup (a guard's clock reads are its own cost). First a new
         view, if one came (looked for once a scheduler step, at its first lookup); then the
         snapshot's moves, a budget of them at each lookup, before vLLM allocates for the request
         (the simulator steps them at the same point), until the step's deadline; then pins
