@@ -163,8 +163,9 @@ def _trace(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def _trace_fetch(args: argparse.Namespace) -> int:
     from policyd.traces import fetch  # noqa: PLC0415
+    from policyd.traces.location import traces_folder  # noqa: PLC0415
 
-    folder = fetch.traces_folder(args.dest)
+    folder = traces_folder(args.dest)
     if args.trace_command == "list":
         print(fetch.listing(folder))
         return 0
@@ -174,7 +175,7 @@ def _trace_fetch(args: argparse.Namespace) -> int:
             print(fetch.get(src, folder))
         else:
             path = args.path or folder / src.published
-            fetch.verify(path, src.manifest(), frozenset({"LICENSE"}))
+            fetch.verify(path, src.manifest())
             print(f"{path}: every file matches its pinned SHA-256")
     except fetch.TraceFetchError as exc:
         print(f"policyd trace {args.trace_command}: error: {exc}", file=sys.stderr)
@@ -188,8 +189,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         module = importlib.import_module(OWN_PARSERS[argv[0]][0])
         return int(module.main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
-    commands = {"bench": _bench, "throughput": _throughput, "trace": _trace}
-    commands["bench-ingest"] = _bench_ingest
+    commands = {
+        "bench": _bench,
+        "bench-ingest": _bench_ingest,
+        "throughput": _throughput,
+        "trace": _trace,
+    }
     commands.update(cli_history.COMMANDS)
     commands.update(cli_daemon.COMMANDS)
     try:

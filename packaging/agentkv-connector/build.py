@@ -42,21 +42,19 @@ def stage(into: Path) -> None:
 
 
 def build(out: Path) -> Path:
-    """The wheel's path, under ``out``."""
+    """The wheel's path, under ``out`` (a wheel of the same name there is replaced)."""
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="agentkv-connector-") as tmp:
-        staged = Path(tmp)
+        staged, wheels = Path(tmp) / "src", Path(tmp) / "wheels"
+        staged.mkdir()
         stage(staged)
-        before = set(out.glob("*.whl"))
         subprocess.run(
             [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-             "--quiet", "--wheel-dir", str(out), str(staged)],
+             "--quiet", "--wheel-dir", str(wheels), str(staged)],
             check=True,
         )  # fmt: skip
-    made = sorted(set(out.glob("agentkv_connector-*.whl")) - before) or sorted(
-        out.glob("agentkv_connector-*.whl")
-    )
-    return made[-1]
+        (wheel,) = wheels.glob("*.whl")
+        return Path(shutil.move(wheel, out / wheel.name))
 
 
 def main(argv: list[str] | None = None) -> int:

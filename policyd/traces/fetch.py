@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
 import tarfile
@@ -27,15 +26,10 @@ from importlib import resources
 from pathlib import Path, PurePosixPath
 from typing import IO, Final
 
-from policyd.traces.location import (
-    CACHE_DIR,
-    MOONCAKE,
-    SWE_TRAJECTORIES,
-    TRACES_ENV,
-    WHO_AND_WHEN,
-)
+from policyd.traces.location import MOONCAKE, SWE_TRAJECTORIES, WHO_AND_WHEN
 
 CHUNK_BYTES: Final = 1 << 20
+LICENCE_FILE: Final = "LICENSE"  # kept beside a trace's files when the source has one there
 
 
 class TraceFetchError(RuntimeError):
@@ -114,14 +108,6 @@ def source(name: str) -> TraceSource:
         raise TraceFetchError(f"unknown trace {name!r}; known: {known}") from None
 
 
-def traces_folder(dest: Path | None = None) -> Path:
-    """Where ``get`` writes: ``dest``, else ``$AGENTKV_TRACES``, else the user's cache."""
-    if dest is not None:
-        return dest
-    env = os.environ.get(TRACES_ENV)
-    return Path(env) if env else CACHE_DIR
-
-
 # -- checking ------------------------------------------------------------------------------------
 
 
@@ -155,9 +141,11 @@ def manifest_of(path: Path) -> dict[str, str]:
     return dict(sorted(file_hashes(path)))
 
 
-def verify(path: Path, pinned: dict[str, str], extra_ok: frozenset[str] = frozenset()) -> None:
+def verify(
+    path: Path, pinned: dict[str, str], extra_ok: frozenset[str] = frozenset({LICENCE_FILE})
+) -> None:
     """Raise ``TraceFetchError`` naming the first difference unless ``path`` holds exactly
-    the pinned files (``extra_ok``: base names allowed beside them, e.g. a licence)."""
+    the pinned files (``extra_ok``: base names allowed beside them: the source's licence)."""
     if not path.exists():
         raise TraceFetchError(f"{path}: not found")
     seen = manifest_of(path)
@@ -209,7 +197,7 @@ def extract(archive: Path, src: TraceSource, pinned: dict[str, str], into: Path)
                 if not member.isfile() or inside.parent != PurePosixPath(src.prefix):
                     continue
                 name = inside.name
-                if name not in pinned and name != "LICENSE":
+                if name not in pinned and name != LICENCE_FILE:
                     continue
                 stream = tar.extractfile(member)
                 assert stream is not None
@@ -235,24 +223,26 @@ def publish(files: Path, src: TraceSource, target: Path) -> None:
     replacing nothing half-written: the result is built beside ``target`` and renamed."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.with_name(target.name + ".partial")
-    if staging.is_dir():
-        shutil.rmtree(staging)
-    elif staging.exists():
-        staging.unlink()
+    _remove(staging)
     if src.published.endswith(".tar.gz"):
         with tarfile.open(staging, "w:gz") as tar:
             for file in sorted(files.iterdir()):
                 tar.add(file, arcname=f"{src.archive_folder}/{file.name}")
     elif PurePosixPath(src.published).suffix:  # one file, published as that file
-        (only,) = (f for f in files.iterdir() if f.name != "LICENSE")
+        (only,) = (f for f in files.iterdir() if f.name != LICENCE_FILE)
         shutil.copyfile(only, staging)
     else:
         shutil.copytree(files, staging)
-    if target.is_dir():
-        shutil.rmtree(target)
-    elif target.exists():
-        target.unlink()
+    _remove(target)
     staging.rename(target)
+
+
+def _remove(path: Path) -> None:
+    """``path`` gone, whether a folder, a file or nothing."""
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
 
 
 def get(
@@ -269,7 +259,7 @@ def get(
     target = folder / src.published
     if target.exists():
         try:
-            verify(target, pinned, frozenset({"LICENSE"}))
+            verify(target, pinned)
             return target
         except TraceFetchError:
             pass  # fetch it again

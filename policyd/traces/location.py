@@ -19,14 +19,20 @@ MOONCAKE: Final = "mooncake/synthetic_trace.jsonl"
 CACHE_DIR: Final = Path.home() / ".cache" / "agentkv" / "traces"
 
 
+def traces_folder(dest: Path | None = None) -> Path:
+    """The traces' folder: ``dest``, else ``$AGENTKV_TRACES``, else ``CACHE_DIR`` (where
+    ``policyd trace get`` writes by default)."""
+    if dest is not None:
+        return dest
+    root = os.environ.get(TRACES_ENV)
+    return Path(root) if root else CACHE_DIR
+
+
 def local_trace(name: str) -> Path | None:
     """``$AGENTKV_TRACES/name`` when the variable is set; else ``CACHE_DIR/name`` when
     ``policyd trace get`` put it there; else None."""
-    root = os.environ.get(TRACES_ENV)
-    if root:
-        return Path(root) / name
-    cached = CACHE_DIR / name
-    return cached if cached.exists() else None
+    path = traces_folder() / name
+    return path if os.environ.get(TRACES_ENV) or path.exists() else None
 
 
 def missing_trace_message(option: str, name: str) -> str:
