@@ -36,6 +36,29 @@ def int_list(minimum: int = 0) -> Callable[[str], list[int]]:
     return _number_list(int, "integers", lambda v: v >= minimum, what)
 
 
+def int_at_least(minimum: int = 0) -> Callable[[str], int]:
+    """One integer, at least ``minimum``.
+
+    >>> int_at_least(1)("3")
+    3
+    >>> int_at_least(1)("0")
+    Traceback (most recent call last):
+    argparse.ArgumentTypeError: expected an integer of at least 1, got '0'
+    """
+    what = "a non-negative integer" if minimum == 0 else f"an integer of at least {minimum}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
+
+
 def fraction_list() -> Callable[[str], list[float]]:
     """Comma-separated numbers, each in [0, 1]."""
     return _number_list(float, "numbers", lambda v: 0.0 <= v <= 1.0, "fractions in [0, 1]")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from policyd.arguments import fraction_list, int_list
+from policyd.arguments import fraction_list, int_at_least, int_list
 from policyd.names import POLICY_NAMES
 from policyd.sim.profiles import PROFILES
 from policyd.tiers.gpu import DEFAULT_STEP_OPS
@@ -83,16 +83,6 @@ def _step_ops(text: str) -> int | None:
     return value
 
 
-def _streams(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer of at least 1, got {text!r}")
-    return value
-
-
 def add_arguments(bench: argparse.ArgumentParser) -> None:
     """Every flag of ``policyd bench``."""
     bench.add_argument(
@@ -132,7 +122,7 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     )
     bench.add_argument(
         "--streams",
-        type=_streams,
+        type=int_at_least(1),
         default=None,
         help="streams (workflows, tasks, chats) per generated workload instead of each "
         "generator's default, e.g. smaller ones for a quick comparison",

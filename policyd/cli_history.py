@@ -19,26 +19,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
+from policyd.arguments import int_at_least
+
 if TYPE_CHECKING:
     from rich.console import Group
 
     from policyd.history.safe_sql import QueryResult
 
-# Contract: importing this module costs nothing beyond the standard library (``policyd --help``
-# builds every parser); each handler imports DuckDB, Alembic or rich when it runs.
+# Contract: importing this module costs nothing beyond the standard library and
+# ``policyd.arguments`` (``policyd --help`` builds every parser); each handler imports DuckDB,
+# Alembic or rich when it runs.
 
 EXIT_REFUSED: Final = 2  # the query was refused or failed
 EXIT_UNAVAILABLE: Final = 3  # no readable history file (locked, missing, too new)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
 
 
 def _positive_float(text: str) -> float:
@@ -74,7 +67,9 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     sql.add_argument("--db", type=Path, help=db_help)
     sql.add_argument("--snapshot", type=Path, help="snapshot file (default: next to --db)")
     sql.add_argument("--format", choices=sorted(FORMATS), default="table")
-    sql.add_argument("--max-rows", type=_positive_int, default=1000, help="row cap (default 1000)")
+    sql.add_argument(
+        "--max-rows", type=int_at_least(0), default=1000, help="row cap (default 1000)"
+    )
     sql.add_argument(
         "--timeout-s", type=_positive_float, default=10.0, help="time limit (default 10 s)"
     )

@@ -8,6 +8,7 @@ from types import ModuleType
 import pytest
 
 import experiments.bench
+import policyd.arguments
 import policyd.cli_bench
 import policyd.daemon.ingest
 import policyd.daemon.settings
@@ -27,6 +28,7 @@ import policyd.workloads.chats
     "module",
     [
         experiments.bench,
+        policyd.arguments,
         policyd.cli_bench,
         policyd.daemon.ingest,
         policyd.daemon.settings,
