@@ -33,11 +33,11 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
 from connector.runtime import ConnectorRuntime
 from connector.vllm_adapter import GpuTier
+from policyd.core.types import Event, PolicySnapshot, ScoredBlocks
 from policyd.tiers.budget import DEFAULT_STEP_DEADLINE_US, STEP_BUDGET_P99_US
 from policyd.tiers.gpu import DEFAULT_STEP_OPS, gpu_caps
 from policyd.tiers.host_order import HostOrder
 from policyd.tiers.view import SnapshotView
-from policyd.types import Event, PolicySnapshot, ScoredBlocks
 
 TOKENS = 16
 GROUP = 0

@@ -2,7 +2,7 @@
 
 vLLM names a block by a 32-byte sha256 digest chained over its parent and its tokens (an offload
 key appends a 4-byte KV-group index); on the wire AgentKV keeps the first 8 bytes, big-endian,
-as ``BlockHash`` (policyd.types). Every function here is pure: the adapter calls them and hands
+as ``BlockHash`` (policyd.core.types). Every function here is pure: the adapter calls them and hands
 the events to the daemon client.
 """
 
@@ -14,7 +14,7 @@ from functools import lru_cache
 from typing import Final
 
 from connector.params import RequestTags
-from policyd.types import (
+from policyd.core.types import (
     BlocksLoaded,
     BlocksRemoved,
     BlocksStored,

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
-from policyd.types import HintValue
+from policyd.core.types import HintValue
 
 UNKNOWN_AGENT: Final = "unknown"
 MAX_ID_CHARS: Final = 256  # longer ids are cut: they travel in every event

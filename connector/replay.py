@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from connector.tiny_model import build_tiny_llama
-from policyd.sim.profiles import get_profile
+from policyd.core.profiles import get_profile
 from policyd.tiers.budget import DEFAULT_STEP_DEADLINE_US, STEP_BUDGET_P99_US
 from policyd.tiers.gpu import DEFAULT_STEP_OPS, gpu_caps
 

@@ -24,9 +24,9 @@ from typing import Any, Final, Protocol, TypeVar
 from connector import events as ev
 from connector.deferred import Job, immediate
 from connector.params import RequestTags, parse_request_tags
+from policyd.core.types import Event, PolicySnapshot
 from policyd.tiers.host_order import HostOrder
 from policyd.tiers.view import Ownership, Retirement, SnapshotView, write_allowed
-from policyd.types import Event, PolicySnapshot
 
 log = logging.getLogger("agentkv.connector")
 

@@ -68,12 +68,12 @@ from connector.deferred import Deferred, Job, immediate
 from connector.events import block_hash_int
 from connector.runtime import ConnectorRuntime, Guard, StepTimes
 from connector.trace_file import TraceFile
-from policyd.client import DaemonClient
+from policyd.core.client import DaemonClient
+from policyd.core.wire import Endpoints
 from policyd.tiers.budget import DEFAULT_STEP_DEADLINE_US, StepBudget
 from policyd.tiers.gpu import DEFAULT_STEP_OPS, GpuApplier, gpu_caps
 from policyd.tiers.host_order import HostOrder
 from policyd.tiers.view import SnapshotView
-from policyd.wire import Endpoints
 
 log = logging.getLogger("agentkv.connector")
 
@@ -634,7 +634,7 @@ class AgentKVConnector(OffloadingConnector):
 
     ``kv_connector_extra_config`` keys, besides vLLM's (``cpu_bytes_to_use``, ...):
     ``agentkv_daemon`` (default true; false = no client, plain LRU: vLLM's default policy),
-    ``agentkv_events_endpoint`` / ``agentkv_snapshot_endpoint`` (default: policyd.wire, env
+    ``agentkv_events_endpoint`` / ``agentkv_snapshot_endpoint`` (default: policyd.core.wire, env
     AGENTKV_EVENTS_ENDPOINT / AGENTKV_SNAPSHOT_ENDPOINT), ``agentkv_max_pinned_blocks`` (default
     1% of the GPU pool), ``agentkv_max_ranked_blocks`` (2048), ``agentkv_step_ops`` (12 a
     scheduler step), ``agentkv_step_deadline_us`` (the step's share of AgentKV time after

@@ -14,7 +14,7 @@ COPY migrations ./migrations
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && AGENTKV_COMPILE=1 pip install --no-cache-dir -e '.[ui]' \
-    && python -c "import policyd.predictor as p; assert p.BUILD == 'compiled', p.BUILD" \
+    && python -c "import policyd.models.predictor as p; assert p.BUILD == 'compiled', p.BUILD" \
     && apt-get purge -y --auto-remove gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* build
 ENV POLICYD_DB=/var/lib/agentkv/history.duckdb

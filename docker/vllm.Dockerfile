@@ -5,7 +5,8 @@ FROM python:3.12-slim AS wheel
 WORKDIR /src
 COPY packaging/agentkv-connector ./packaging/agentkv-connector
 COPY connector ./connector
-COPY policyd/__init__.py policyd/types.py policyd/wire.py policyd/client.py ./policyd/
+COPY policyd/__init__.py ./policyd/
+COPY policyd/core/__init__.py policyd/core/types.py policyd/core/wire.py policyd/core/client.py ./policyd/core/
 COPY policyd/tiers ./policyd/tiers
 RUN pip install --no-cache-dir "setuptools>=70.1" \
     && python packaging/agentkv-connector/build.py --out /wheels

@@ -3,7 +3,7 @@
 Every point also replays ``belady`` on the same workload and capacities, so each policy's hit rate
 is reported as a fraction of the oracle's, and agentkv against the best baseline. The command line
 that reproduces a run is printed with its tables and stored in its JSON. ``command`` is the
-command (``policyd.cli_bench`` declares its flags); ``python -m experiments.bench`` is an alias.
+command (``policyd.cli.bench`` declares its flags); ``python -m experiments.bench`` is an alias.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from scipy import stats
 
-from policyd.cli_bench import (
+from policyd.cli.bench import (
     DEFAULT_CONCURRENCY,
     DEFAULT_WORKLOADS,
     SWEEP_CONCURRENCY,
@@ -41,8 +41,8 @@ from policyd.sim.replay import SimConfig, simulate
 from policyd.sim.report import Report
 from policyd.tiers.gpu import DEFAULT_STEP_OPS
 from policyd.traces import load_trace
-from policyd.workload import Workload
 from policyd.workloads import WORKLOADS, make_workload
+from policyd.workloads.calls import Workload
 
 WorkloadLoader = Callable[[str], Workload]
 
@@ -642,7 +642,7 @@ def _title(profile: str, seed: int, seeds: int) -> str:
 
 
 def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """``policyd bench`` (its flags: ``policyd.cli_bench``): every point once per seed, the
+    """``policyd bench`` (its flags: ``policyd.cli.bench``): every point once per seed, the
     policies' tables, agentkv against the best baseline (per seed and, with several, over the
     seeds), the command that reproduces it, and ``--json``, ``--plot``, ``--sweep``'s plot; or,
     with ``--from-json``, a stored run's tables without running it again. ``argv`` is the

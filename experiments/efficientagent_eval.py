@@ -9,8 +9,8 @@ modelled makespan, host bytes written, blocks declined.
 
 *The recommended tier* is what the daemon would recommend: the ``efficientagent`` policy keeps a
 SHARDS estimate fed by every ``RequestStarted`` (``policyd.policies.efficientagent.WorkingSet``);
-after the small-tier replay its ``sizing()`` (``policyd.mrc.recommend``, ``--coverage`` of the
-achievable reuse) gives the size. The large tier is ``--large-factor`` times that.
+after the small-tier replay its ``sizing()`` (``policyd.models.mrc.recommend``, ``--coverage`` of
+the achievable reuse) gives the size. The large tier is ``--large-factor`` times that.
 
 The paper's claims (EfficientAgent, SWE-bench Verified, Qwen3-Coder-30B-A3B on 8 GPUs): a tier
 sized to the working set cuts recomputed prompt tokens 93% and end-to-end time 39% (vs no host
@@ -40,13 +40,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from experiments.mrc_eval import load_swe
+from policyd.core.profiles import get_profile
 from policyd.policies import make_policy
 from policyd.policies.efficientagent import EfficientAgent
-from policyd.sim.profiles import get_profile
 from policyd.sim.replay import SimConfig, Simulator
 from policyd.sim.report import Report
 from policyd.traces.location import SWE_TRAJECTORIES, TRACES_ENV, local_trace, missing_trace_message
-from policyd.workload import Workload
+from policyd.workloads.calls import Workload
 
 
 @dataclass(frozen=True, slots=True)

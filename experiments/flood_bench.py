@@ -31,7 +31,7 @@ import httpx
 import zmq
 
 from experiments.ingest_bench import _daemon_rss_bytes, _pct, start_serve
-from policyd.types import (
+from policyd.core.types import (
     BATCH_CODEC,
     BlocksStored,
     Event,
@@ -41,7 +41,7 @@ from policyd.types import (
     RequestStarted,
     WorkflowFinished,
 )
-from policyd.wire import MAX_EVENTS_PER_BATCH
+from policyd.core.wire import MAX_EVENTS_PER_BATCH
 
 AGENTS = ("planner", "coder", "tester")
 

@@ -14,10 +14,10 @@ import argparse
 import time
 from collections.abc import Sequence
 
-from policyd.engine import Engine
+from policyd.core.engine import Engine
+from policyd.core.types import Event, PrefixHit, RequestFinished, RequestStarted
 from policyd.policies.agentkv import AgentKV
 from policyd.policies.guard import RecencyGuard
-from policyd.types import Event, PrefixHit, RequestFinished, RequestStarted
 from policyd.workloads import make_workload
 
 

@@ -14,8 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from policyd.core.types import BlocksStored, EventBatch, PrefixHit, RequestFinished, RequestStarted
 from policyd.history.store import History, HistoryConfig
-from policyd.types import BlocksStored, EventBatch, PrefixHit, RequestFinished, RequestStarted
 
 BLOCKS_PER_EVENT = 256
 

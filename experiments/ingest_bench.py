@@ -36,9 +36,8 @@ import msgspec
 import zmq
 from matplotlib.figure import Figure
 
-from policyd.daemon.server import READY_PREFIX
-from policyd.memory import rss_bytes
-from policyd.types import (
+from policyd.core.memory import rss_bytes
+from policyd.core.types import (
     PROTOCOL_VERSION,
     SNAPSHOT_CODEC,
     BlocksRemoved,
@@ -49,7 +48,8 @@ from policyd.types import (
     RequestStarted,
     WorkflowFinished,
 )
-from policyd.wire import SNAPSHOT_TOPIC
+from policyd.core.wire import SNAPSHOT_TOPIC
+from policyd.daemon.server import READY_PREFIX
 
 TARGET_BLOCK_EVENTS_PER_S: Final = 500_000
 SWEEP_DECISIONS: Final = 400  # timed decision requests per run of a --rates sweep

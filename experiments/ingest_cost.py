@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from experiments.ingest_bench import FrameSource, StreamShape
+from policyd.core.types import BATCH_CODEC
 from policyd.daemon.ingest import Received
 from policyd.daemon.service import Service, _tune_gc
 from policyd.daemon.settings import DaemonSettings
 from policyd.history import History, HistoryConfig
 from policyd.history.process import HistoryProcess
-from policyd.types import BATCH_CODEC
 
 STAGE_BLOCK_EVENTS = 800_000  # per measurement, whatever the packaging
 

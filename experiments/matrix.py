@@ -41,8 +41,8 @@ from rich.table import Table
 from experiments.bench import STREAM_PARAMS
 from policyd.sim.replay import SimConfig, computed_tokens, simulate
 from policyd.traces import READERS, detect_format, load_trace
-from policyd.workload import Workload
 from policyd.workloads import WORKLOADS, make_workload
+from policyd.workloads.calls import Workload
 
 BASELINES: Final = ("lru", "kvflow", "pbkv", "efficientagent")
 OURS: Final = "agentkv"

@@ -46,7 +46,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from policyd.mrc import (
+from policyd.core.profiles import HardwareProfile, get_profile
+from policyd.models.mrc import (
     COVERAGE_LEVELS,
     GiB,
     MissRatioCurve,
@@ -54,9 +55,8 @@ from policyd.mrc import (
     mean_absolute_error,
     recommend,
 )
-from policyd.shards import Shards
-from policyd.sim.profiles import HardwareProfile, get_profile
-from policyd.stackdist import (
+from policyd.models.shards import Shards
+from policyd.models.stackdist import (
     COLD,
     ReferenceStream,
     effective_distances,
@@ -65,7 +65,7 @@ from policyd.stackdist import (
 )
 from policyd.traces.location import SWE_TRAJECTORIES, TRACES_ENV, local_trace, missing_trace_message
 from policyd.traces.swe import read_swe
-from policyd.workload import Call, Workload
+from policyd.workloads.calls import Call, Workload
 from policyd.workloads.pool import coding_pool
 
 

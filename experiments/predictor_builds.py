@@ -33,7 +33,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from experiments.predictor_eval import TARGET_US, WORKLOADS
-from policyd.predictor import compiled_modules
+from policyd.models.predictor import compiled_modules
 from policyd.traces.location import TRACES_ENV, WHO_AND_WHEN, local_trace
 
 BUILDS = ("interpreted", "compiled")
@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     install = args.install.resolve()
-    package = install / "policyd" / "predictor"
+    package = install / "policyd" / "models" / "predictor"
     if not (package / "__init__.py").exists():
         parser.error(f"{install} holds no install of policyd")
     compiled, stale = compiled_modules(package)

@@ -46,11 +46,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from policyd.arguments import fraction_list, int_list
-from policyd.predictor import BUILD, END, START, Predictor
+from policyd.cli.arguments import fraction_list, int_list
+from policyd.models.predictor import BUILD, END, START, Predictor
 from policyd.traces.location import TRACES_ENV, WHO_AND_WHEN, local_trace, missing_trace_message
 from policyd.traces.whowhen import whowhen_workload
-from policyd.workload import Call, Workload, arrival_order
+from policyd.workloads.calls import Call, Workload, arrival_order
 from policyd.workloads.pbkv import code_writing, fact_checking, financial
 
 GENERATORS: dict[str, Callable[..., Workload]] = {

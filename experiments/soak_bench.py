@@ -33,8 +33,8 @@ import httpx
 
 from experiments.flood_bench import AGENTS, Sender
 from experiments.ingest_bench import _daemon_rss_bytes, start_serve
-from policyd.memory import rss_bytes
-from policyd.types import (
+from policyd.core.memory import rss_bytes
+from policyd.core.types import (
     BATCH_CODEC,
     BlocksRemoved,
     BlocksStored,
@@ -45,7 +45,7 @@ from policyd.types import (
     RequestStarted,
     WorkflowFinished,
 )
-from policyd.validate import MAX_BLOCKS_PER_EVENT
+from policyd.core.validate import MAX_BLOCKS_PER_EVENT
 
 INVALID_KINDS = ("garbage", "truncated", "bad-events", "duplicate")
 
@@ -93,7 +93,7 @@ TOO_MANY: Final = BlocksStored(ts=0.0, tier="gpu", block_hashes=(1,) * (MAX_BLOC
 
 
 def bad_events(n: int) -> list[Event]:
-    """``n`` events, each out of range in one way (policyd/validate.py)."""
+    """``n`` events, each out of range in one way (policyd/core/validate.py)."""
     kinds: list[Event] = [
         PrefixHit(ts=0.0, request_id="x", gpu_blocks=-1, host_blocks=0, recomputed_blocks=0),
         PrefixHit(ts=0.0, request_id="x", gpu_blocks=2**63, host_blocks=0, recomputed_blocks=0),

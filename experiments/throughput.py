@@ -15,7 +15,7 @@ from rich.table import Table
 
 from policyd.policies import make_policy
 from policyd.sim.replay import SimConfig, Simulator, simulate
-from policyd.workload import Workload
+from policyd.workloads.calls import Workload
 from policyd.workloads.synthetic import synthetic_agents
 
 TARGET_REFS_PER_S = 1_000_000

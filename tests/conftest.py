@@ -14,12 +14,8 @@ from dataclasses import dataclass, field
 
 from hypothesis import strategies as st
 
-from policyd.engine import Clock, Engine, EngineState
-from policyd.policies import POLICIES, FutureIndex, Policy, make_policy
-from policyd.sim.cache import RunningSpace
-from policyd.sim.replay import SimConfig, Simulator
-from policyd.sim.report import Report
-from policyd.types import (
+from policyd.core.engine import Clock, Engine, EngineState
+from policyd.core.types import (
     AllBlocksCleared,
     BlocksLoaded,
     BlocksRemoved,
@@ -34,7 +30,11 @@ from policyd.types import (
     WorkflowFinished,
     WriteFilter,
 )
-from policyd.workload import Call, PromptBuilder, Workload
+from policyd.policies import POLICIES, FutureIndex, Policy, make_policy
+from policyd.sim.cache import RunningSpace
+from policyd.sim.replay import SimConfig, Simulator
+from policyd.sim.report import Report
+from policyd.workloads.calls import Call, PromptBuilder, Workload
 from policyd.workloads.synthetic import synthetic_agents
 
 # ---- vocabulary strategies ---------------------------------------------------------------------

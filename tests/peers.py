@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import zmq
 
-from policyd.wire import Endpoints
+from policyd.core.wire import Endpoints
 
 Sockets = tuple[zmq.Socket[bytes], zmq.Socket[bytes], Endpoints]
 

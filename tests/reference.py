@@ -31,8 +31,8 @@ from kvcache_sim.plan import build_execution_plan
 from kvcache_sim.policies import simulate_trie_policy
 from kvcache_sim.trace import parse_trace_lines
 
-from policyd.types import BLOCK_SIZE_TOKENS
-from policyd.workload import Call, Workload
+from policyd.core.types import BLOCK_SIZE_TOKENS
+from policyd.workloads.calls import Call, Workload
 
 
 def flatten(workload: Workload) -> list[Call]:

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from policyd.engine import Engine
-from policyd.policies.agentkv import AgentKV
-from policyd.policies.referee import RankingReferee
-from policyd.policies.stepgraph import StepGraph
-from policyd.sim.replay import SimConfig, simulate
-from policyd.types import (
+from policyd.core.engine import Engine
+from policyd.core.types import (
     BlocksRemoved,
     BlocksStored,
     RequestFinished,
     RequestStarted,
     WorkflowFinished,
 )
+from policyd.models.stepgraph import StepGraph
+from policyd.policies.agentkv import AgentKV
+from policyd.policies.referee import RankingReferee
+from policyd.sim.replay import SimConfig, simulate
 from policyd.workloads import make_workload
 
 SYS = (1, 2, 3)  # the planner's system prompt, shared by every workflow

@@ -8,12 +8,9 @@ from typing import ClassVar
 import msgspec
 import pytest
 
-from policyd.engine import Engine, EngineState
-from policyd.policies.agentkv import AgentKV
-from policyd.policies.base import Ordering, Policy
-from policyd.policies.pbkv import RETIRED_SCORE
-from policyd.sim.replay import SimConfig, Simulator
-from policyd.types import (
+from policyd.core.engine import Engine, EngineState
+from policyd.core.policy import Ordering, Policy
+from policyd.core.types import (
     PROTOCOL_VERSION,
     SNAPSHOT_CODEC,
     BlocksStored,
@@ -21,6 +18,9 @@ from policyd.types import (
     ScoredBlocks,
     WorkflowFinished,
 )
+from policyd.policies.agentkv import AgentKV
+from policyd.policies.pbkv import RETIRED_SCORE
+from policyd.sim.replay import SimConfig, Simulator
 from policyd.workloads import make_workload
 from tests.test_agentkv import Clock, finish, press, solo_call, start, trained
 

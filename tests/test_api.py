@@ -12,12 +12,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from policyd.client import DaemonClient
+from policyd.core.client import DaemonClient
+from policyd.core.types import Event
+from policyd.core.wire import Endpoints
 from policyd.daemon.server import RunningDaemon, start_daemon
 from policyd.daemon.settings import DaemonSettings
-from policyd.predictor import BUILD
-from policyd.types import Event
-from policyd.wire import Endpoints
+from policyd.models.predictor import BUILD
 from tests.test_daemon import workflow_events
 
 TOKEN = "s3cret"

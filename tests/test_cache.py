@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from policyd.core.queues import EvictionQueue, KeyedQueue, LruQueue
 from policyd.policies import make_policy
-from policyd.queues import EvictionQueue, KeyedQueue, LruQueue
 from policyd.sim.cache import GpuTier, HostTier
 from policyd.sim.replay import SimConfig, Simulator
-from policyd.workload import Call, sequential
+from policyd.workloads.calls import Call, sequential
 
 # ---- LruQueue ------------------------------------------------------------------------------------
 

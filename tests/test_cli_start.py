@@ -11,15 +11,15 @@ from pathlib import Path
 
 from experiments.startup_bench import render
 from policyd.cli import OWN_PARSERS
+from policyd.core.names import ONLINE_POLICY_NAMES, ORACLE_POLICY_NAMES, POLICY_NAMES, TRACE_FORMATS
 from policyd.daemon.settings import online_policies
-from policyd.names import ONLINE_POLICY_NAMES, ORACLE_POLICY_NAMES, POLICY_NAMES, TRACE_FORMATS
 from policyd.policies import POLICIES
 from policyd.traces import READERS
 
 HEAVY = ("river", "pyarrow", "fastapi", "uvicorn", "sqlalchemy", "alembic", "numpy", "scipy")
 HEAVY_POLICYD = (
     "policyd.policies",
-    "policyd.predictor",
+    "policyd.models.predictor",
     "policyd.daemon",
     "policyd.sim.replay",
     "experiments",

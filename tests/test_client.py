@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
-from policyd.client import DaemonClient
-from policyd.types import (
+from policyd.core.client import DaemonClient
+from policyd.core.types import (
     BATCH_CODEC,
     SNAPSHOT_CODEC,
     BlocksStored,
@@ -20,7 +20,7 @@ from policyd.types import (
     PolicySnapshot,
     WorkflowFinished,
 )
-from policyd.wire import MAX_EVENTS_PER_BATCH, SNAPSHOT_TOPIC, Endpoints
+from policyd.core.wire import MAX_EVENTS_PER_BATCH, SNAPSHOT_TOPIC, Endpoints
 from tests.peers import Sockets, daemon_peer, wait_for
 
 

@@ -22,10 +22,8 @@ from connector.events import block_hash_int, block_hash_ints, prefix_hit
 from connector.params import UNKNOWN_AGENT, parse_request_tags
 from connector.runtime import MAX_QUEUED_HOOKS, ConnectorRuntime, Guard
 from connector.trace_file import TraceFile
-from policyd.client import DaemonClient
-from policyd.tiers.host_order import HostOrder
-from policyd.tiers.view import Ownership, SnapshotView, select_pins, write_allowed
-from policyd.types import (
+from policyd.core.client import DaemonClient
+from policyd.core.types import (
     BATCH_CODEC,
     SNAPSHOT_CODEC,
     BlocksRemoved,
@@ -39,7 +37,9 @@ from policyd.types import (
     WorkflowFinished,
     WriteFilter,
 )
-from policyd.wire import SNAPSHOT_TOPIC, Endpoints
+from policyd.core.wire import SNAPSHOT_TOPIC, Endpoints
+from policyd.tiers.host_order import HostOrder
+from policyd.tiers.view import Ownership, SnapshotView, select_pins, write_allowed
 from tests.peers import Sockets, daemon_peer, wait_for
 
 # ---- request tags ------------------------------------------------------------------------------

@@ -131,7 +131,8 @@ def test_the_connectors_wheel_carries_every_module_the_connector_imports() -> No
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
     carried = {ROOT / "connector" / f"{m}.py" for m in build.CONNECTOR_MODULES}
-    carried |= {ROOT / "policyd" / f"{m}.py" for m in build.VOCABULARY}
+    carried |= {ROOT / "policyd" / f"{m}.py" for m in build.PACKAGE}
+    carried |= {ROOT / "policyd" / "core" / f"{m}.py" for m in build.VOCABULARY}
     carried |= {ROOT / "policyd" / "tiers" / f"{m}.py" for m in build.TIERS}
     needed = project_imports(ROOT / "connector" / "vllm_adapter.py")
     needed |= project_imports(ROOT / "connector" / "plugin.py")

@@ -14,18 +14,8 @@ import msgspec
 import pytest
 import zmq
 
-from policyd.daemon import checkpoint, views
-from policyd.daemon.ingest import IngestQueue, block_events, coalesce, keep_rate, shed
-from policyd.daemon.predictions import PredictionLog
-from policyd.daemon.server import RunningDaemon, start_daemon
-from policyd.daemon.service import Service
-from policyd.daemon.settings import DaemonSettings, validate_tunables
-from policyd.engine import Engine
-from policyd.history import History
-from policyd.history.process import HistoryProcess
-from policyd.policies import make_policy
-from policyd.predictor import Predictor
-from policyd.types import (
+from policyd.core.engine import Engine
+from policyd.core.types import (
     BATCH_CODEC,
     BlocksRemoved,
     BlocksStored,
@@ -36,6 +26,16 @@ from policyd.types import (
     RequestStarted,
     WorkflowFinished,
 )
+from policyd.daemon import checkpoint, views
+from policyd.daemon.ingest import IngestQueue, block_events, coalesce, keep_rate, shed
+from policyd.daemon.predictions import PredictionLog
+from policyd.daemon.server import RunningDaemon, start_daemon
+from policyd.daemon.service import Service
+from policyd.daemon.settings import DaemonSettings, validate_tunables
+from policyd.history import History
+from policyd.history.process import HistoryProcess
+from policyd.models.predictor import Predictor
+from policyd.policies import make_policy
 
 
 def wait_for(cond: Callable[[], bool], timeout_s: float = 15.0) -> bool:

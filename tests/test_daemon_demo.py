@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from policyd.demo import render_summary, run_demo
+from policyd.daemon.demo import render_summary, run_demo
 
 
 def test_a_short_demo_fills_everything_and_keeps_serving(tmp_path: Path) -> None:

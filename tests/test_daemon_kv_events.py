@@ -15,11 +15,11 @@ import msgspec
 import pytest
 import zmq
 
+from policyd.core.types import AllBlocksCleared, BlocksRemoved, BlocksStored
 from policyd.daemon import views
 from policyd.daemon.kv_events import KvEventError, block_key, translate_payload
 from policyd.daemon.server import RunningDaemon, start_daemon
 from policyd.daemon.settings import DaemonSettings
-from policyd.types import AllBlocksCleared, BlocksRemoved, BlocksStored
 
 encode = msgspec.msgpack.Encoder().encode
 TOPIC = b"kv-events"

@@ -16,10 +16,10 @@ from typing import Any
 
 import httpx
 
-from policyd.client import DaemonClient
+from policyd.core.client import DaemonClient
+from policyd.core.types import Event
+from policyd.core.wire import Endpoints
 from policyd.daemon.server import READY_PREFIX
-from policyd.types import Event
-from policyd.wire import Endpoints
 from tests.test_daemon import workflow_events
 
 

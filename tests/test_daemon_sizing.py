@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from policyd.daemon.sizing import compute_sizing, learn_prompt, lru_recomputed_blocks
-from policyd.shards import Shards
-from policyd.workload import chain_hash
+from policyd.models.shards import Shards
+from policyd.workloads.calls import chain_hash
 
 
 def _fed_estimator() -> Shards:

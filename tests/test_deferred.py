@@ -11,8 +11,8 @@ import pytest
 
 from connector.deferred import Deferred, immediate
 from connector.runtime import ConnectorRuntime
+from policyd.core.types import Event
 from policyd.tiers.view import Ownership
-from policyd.types import Event
 from tests.peers import wait_for
 from tests.test_connector import ReferenceOwnership, digests
 

@@ -31,14 +31,14 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from policyd.core.types import BLOCK_SIZE_TOKENS
 from policyd.sim.cache import RunningSpace
 from policyd.sim.replay import SimConfig, simulate
 from policyd.sim.report import Report
 from policyd.traces.location import MOONCAKE, TRACES_ENV, local_trace
 from policyd.traces.mooncake import SUB_BLOCKS, mooncake_workload, read_mooncake
-from policyd.types import BLOCK_SIZE_TOKENS
-from policyd.workload import ROOT_HASH, Call, chain_hash, sequential
 from policyd.workloads import make_workload
+from policyd.workloads.calls import ROOT_HASH, Call, chain_hash, sequential
 from tests.reference import (
     KvcacheReference,
     WindowHits,

@@ -8,19 +8,19 @@ from types import ModuleType
 import pytest
 
 import experiments.bench
-import policyd.arguments
-import policyd.cli_bench
+import policyd.cli.arguments
+import policyd.cli.bench
+import policyd.core.ratelog
+import policyd.core.types
+import policyd.core.validate
 import policyd.daemon.ingest
 import policyd.daemon.settings
 import policyd.history.safe_sql
+import policyd.models.stepgraph
 import policyd.policies.guard
 import policyd.policies.referee
-import policyd.policies.stepgraph
 import policyd.policies.virtual
-import policyd.ratelog
-import policyd.types
-import policyd.validate
-import policyd.workload
+import policyd.workloads.calls
 import policyd.workloads.chats
 
 
@@ -28,19 +28,19 @@ import policyd.workloads.chats
     "module",
     [
         experiments.bench,
-        policyd.arguments,
-        policyd.cli_bench,
+        policyd.cli.arguments,
+        policyd.cli.bench,
         policyd.daemon.ingest,
         policyd.daemon.settings,
         policyd.history.safe_sql,
         policyd.policies.guard,
         policyd.policies.referee,
-        policyd.policies.stepgraph,
+        policyd.models.stepgraph,
         policyd.policies.virtual,
-        policyd.ratelog,
-        policyd.types,
-        policyd.validate,
-        policyd.workload,
+        policyd.core.ratelog,
+        policyd.core.types,
+        policyd.core.validate,
+        policyd.workloads.calls,
         policyd.workloads.chats,
     ],
     ids=lambda module: module.__name__,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from policyd.engine import Engine
+from policyd.core.engine import Engine
+from policyd.core.types import BlocksRemoved, BlocksStored, RequestStarted
 from policyd.policies.efficientagent import EfficientAgent
 from policyd.sim.replay import SimConfig, Simulator, simulate
-from policyd.types import BlocksRemoved, BlocksStored, RequestStarted
 from policyd.workloads import make_workload
 
 

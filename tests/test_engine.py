@@ -11,10 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policyd.engine import Engine, EngineState
-from policyd.policies import make_policy
-from policyd.policies.lru import LRU
-from policyd.types import (
+from policyd.core.engine import Engine, EngineState
+from policyd.core.types import (
     AllBlocksCleared,
     BlocksLoaded,
     BlocksRemoved,
@@ -27,6 +25,8 @@ from policyd.types import (
     Tier,
     WorkflowFinished,
 )
+from policyd.policies import make_policy
+from policyd.policies.lru import LRU
 from tests.conftest import check_ownership
 
 

@@ -17,10 +17,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from policyd.daemon import views
-from policyd.daemon.service import Service
-from policyd.daemon.settings import DaemonSettings
-from policyd.types import (
+from policyd.core.types import (
     BATCH_CODEC,
     AllBlocksCleared,
     BlocksLoaded,
@@ -34,7 +31,10 @@ from policyd.types import (
     RequestStarted,
     WorkflowFinished,
 )
-from policyd.validate import check_event
+from policyd.core.validate import check_event
+from policyd.daemon import views
+from policyd.daemon.service import Service
+from policyd.daemon.settings import DaemonSettings
 
 FUZZ = settings(
     max_examples=150,

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policyd.engine import Engine
+from policyd.core.engine import Engine
+from policyd.core.types import PrefixHit, RequestFinished, RequestStarted
 from policyd.policies.agentkv import AgentKV
 from policyd.policies.guard import RecencyGuard
-from policyd.types import PrefixHit, RequestFinished, RequestStarted
 
 
 def started(rid: str, blocks: tuple[int, ...], wf: str = "w") -> RequestStarted:

@@ -14,9 +14,7 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from policyd.daemon import views
-from policyd.daemon.server import RunningDaemon, start_daemon
-from policyd.types import (
+from policyd.core.types import (
     BATCH_CODEC,
     BlocksStored,
     Event,
@@ -26,7 +24,9 @@ from policyd.types import (
     RequestStarted,
     WorkflowFinished,
 )
-from policyd.validate import MAX_BLOCKS_PER_EVENT, check_event, clean_batch
+from policyd.core.validate import MAX_BLOCKS_PER_EVENT, check_event, clean_batch
+from policyd.daemon import views
+from policyd.daemon.server import RunningDaemon, start_daemon
 from tests.test_daemon import settings_for, wait_for, workflow_events
 
 NAN, INF = float("nan"), float("inf")

@@ -12,11 +12,11 @@ from pathlib import Path
 import zmq
 
 from experiments.flood_bench import flood_events
+from policyd.core.engine import Engine
+from policyd.core.types import BATCH_CODEC, EventBatch, RequestFinished
 from policyd.daemon import views
 from policyd.daemon.server import start_daemon
-from policyd.engine import Engine
 from policyd.policies import make_policy
-from policyd.types import BATCH_CODEC, EventBatch, RequestFinished
 from tests.test_daemon import settings_for, wait_for
 from tests.test_engine import FakeClock, started
 

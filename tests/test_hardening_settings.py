@@ -12,11 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from policyd.core.ratelog import quote
 from policyd.daemon import checkpoint, views
 from policyd.daemon.server import RunningDaemon, start_daemon
 from policyd.daemon.service import Service
 from policyd.daemon.settings import DaemonSettings, tunables, validate_tunables
-from policyd.ratelog import quote
 from tests.test_daemon import settings_for
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from policyd.core.memory import release_free_heap
 from policyd.daemon.settings import DaemonSettings
-from policyd.memory import release_free_heap
 
 
 def _rss_mib() -> float:

@@ -13,6 +13,16 @@ import duckdb
 import numpy as np
 import pytest
 
+from policyd.core.types import (
+    BlocksLoaded,
+    BlocksRemoved,
+    BlocksStored,
+    EventBatch,
+    PrefixHit,
+    RequestFinished,
+    RequestStarted,
+    WorkflowFinished,
+)
 from policyd.history import (
     DEFAULT_DB_PATH,
     History,
@@ -27,16 +37,6 @@ from policyd.history import (
 from policyd.history.fanout import block_keep_mask
 from policyd.history.sampling import AdaptiveRate
 from policyd.sim.replay import SimConfig
-from policyd.types import (
-    BlocksLoaded,
-    BlocksRemoved,
-    BlocksStored,
-    EventBatch,
-    PrefixHit,
-    RequestFinished,
-    RequestStarted,
-    WorkflowFinished,
-)
 from policyd.workloads.synthetic import synthetic_agents
 from tests.conftest import replay
 

@@ -14,9 +14,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from policyd.history import HistoryError, SchemaTooNew, migrate
-from policyd.history.process import HistoryProcess
-from policyd.types import (
+from policyd.core.types import (
     BATCH_CODEC,
     BlocksRemoved,
     BlocksStored,
@@ -24,6 +22,8 @@ from policyd.types import (
     PrefixHit,
     RequestFinished,
 )
+from policyd.history import HistoryError, SchemaTooNew, migrate
+from policyd.history.process import HistoryProcess
 from tests.test_history import NOW, config, started
 
 

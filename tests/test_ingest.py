@@ -23,19 +23,8 @@ from experiments.ingest_bench import (
     run_bench,
 )
 from experiments.ingest_cost import stage_costs
-from policyd.daemon import views
-from policyd.daemon.ingest import (
-    HARD_BOUND_FACTOR,
-    LAST_RESORT_FACTOR,
-    IngestQueue,
-    block_events,
-    shed,
-)
-from policyd.daemon.service import Service
-from policyd.daemon.settings import DaemonSettings
-from policyd.engine import Engine
-from policyd.policies import make_policy
-from policyd.types import (
+from policyd.core.engine import Engine
+from policyd.core.types import (
     BATCH_CODEC,
     BlocksLoaded,
     BlocksRemoved,
@@ -46,6 +35,17 @@ from policyd.types import (
     RequestStarted,
     WorkflowFinished,
 )
+from policyd.daemon import views
+from policyd.daemon.ingest import (
+    HARD_BOUND_FACTOR,
+    LAST_RESORT_FACTOR,
+    IngestQueue,
+    block_events,
+    shed,
+)
+from policyd.daemon.service import Service
+from policyd.daemon.settings import DaemonSettings
+from policyd.policies import make_policy
 
 
 def stored(hashes: Sequence[int]) -> BlocksStored:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 
-from policyd.engine import Engine
-from policyd.policies.kvflow import DEFAULT_GRAPHS, KVFlow, steps_from
+from policyd.core.engine import Engine
+from policyd.core.types import BlocksStored, RequestFinished, RequestStarted, Tier, WorkflowFinished
+from policyd.models.stepgraph import steps_from
+from policyd.policies.kvflow import DEFAULT_GRAPHS, KVFlow
 from policyd.sim.replay import SimConfig, simulate
-from policyd.types import BlocksStored, RequestFinished, RequestStarted, Tier, WorkflowFinished
 from policyd.workloads import make_workload
 
 

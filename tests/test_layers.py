@@ -1,8 +1,8 @@
 """The project's layers, read from its source: no import loop (type-only imports included),
 and no layer importing one above it (docs/ARCHITECTURE.md). The benchmarks and evaluations
 (``experiments``) sit on top: they import the serving packages, none of which imports them, but
-for ``policyd/cli.py``, which names their modules as strings that ``importlib`` imports when a
-command runs."""
+for ``policyd/cli/__init__.py``, which names their modules as strings that ``importlib`` imports
+when a command runs."""
 
 from __future__ import annotations
 
@@ -18,25 +18,33 @@ EXPERIMENTS = ("experiments",)
 TOOLS = frozenset({"connector.replay", "connector.bench_step"})
 
 # the one module that names the experiments (as strings, for importlib)
-DISPATCH = ROOT / "policyd" / "cli.py"
+DISPATCH = ROOT / "policyd" / "cli" / "__init__.py"
 
-# layer -> the layers (module prefixes) it must not import
-FORBIDDEN: dict[str, tuple[str, ...]] = {
-    # the serving packages never import the experiments
-    "policyd": EXPERIMENTS,
-    "connector": EXPERIMENTS,
-    "ui": EXPERIMENTS,
-    # the core: vocabulary, state, engine, structures
-    "policyd.types": ("policyd.",),
-    "policyd.state": ("policyd.engine", "policyd.policies", "policyd.sim", "policyd.daemon"),
-    "policyd.queues": ("policyd.",),
-    "policyd.names": ("policyd.",),
-    "policyd.engine": ("policyd.sim", "policyd.daemon", "policyd.history"),
-    "policyd.policies": ("policyd.sim", "policyd.daemon", "policyd.history", "policyd.engine"),
-    "policyd.tiers": ("policyd.sim", "policyd.daemon", "policyd.history", "policyd.policies"),
-    "policyd.history": ("policyd.daemon", "policyd.sim", "policyd.policies"),
-    "policyd.sim": ("policyd.daemon", "policyd.history"),
-}
+# policyd's layers, lowest first (docs/ARCHITECTURE.md): a package may import its own layer's
+# modules and any lower layer's, never a higher one's nor a sibling's on the same level
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("policyd.core",),  # vocabulary, wire, engine, state, the policy contract, profiles
+    ("policyd.workloads",),  # what a workload is, and the generators
+    ("policyd.models", "policyd.traces"),  # online models; real-trace readers
+    ("policyd.policies", "policyd.tiers"),  # the policies; applying a snapshot to tiers
+    ("policyd.sim", "policyd.history"),  # the simulator; the history store
+    ("policyd.daemon",),  # the serving daemon (and the demo that drives it by a simulator)
+    ("policyd.cli",),  # the command line
+)
+
+
+def forbidden() -> dict[str, tuple[str, ...]]:
+    """Layer -> the module prefixes it must not import: the experiments for every serving
+    package, and for each of policyd's layers every package on its level or above but itself."""
+    banned: dict[str, tuple[str, ...]] = {p: EXPERIMENTS for p in ("policyd", "connector", "ui")}
+    for level, packages in enumerate(LAYERS):
+        above = tuple(p for higher in LAYERS[level:] for p in higher)
+        for package in packages:
+            banned[package] = tuple(p for p in above if p != package)
+    return banned
+
+
+FORBIDDEN = forbidden()
 
 
 def module_name(path: Path) -> str:
@@ -145,13 +153,13 @@ def test_no_layer_imports_one_above_it() -> None:
 
 
 def test_an_upward_import_is_named() -> None:
-    graph = {"policyd.policies.virtual": {"policyd.sim.cache", "policyd.queues"}}
+    graph = {"policyd.policies.virtual": {"policyd.sim.cache", "policyd.core.queues"}}
     assert upward_imports(graph) == ["policyd.policies.virtual -> policyd.sim.cache"]
 
 
 def test_the_serving_packages_never_import_the_experiments() -> None:
     graph = {
-        "policyd.cli": {"policyd.names"},
+        "policyd.cli": {"policyd.core.names"},
         "policyd.sim.replay": {"experiments.bench"},
         "connector.replay": {"experiments.bench", "policyd.sim.replay"},
         "ui.app": {"experiments.matrix"},
@@ -181,8 +189,17 @@ def test_only_the_command_line_names_the_experiments_and_only_as_importlib_strin
             for node in ast.walk(ast.parse(text)):
                 if isinstance(node, ast.Constant) and isinstance(node.value, str):
                     named += [node.value] if node.value.startswith("experiments.") else []
-    assert named, "policyd/cli.py dispatches no command to the experiments"
+    assert named, "policyd/cli/__init__.py dispatches no command to the experiments"
     assert sorted(set(named) - experiments) == []  # each string a module that exists
     # ...and nowhere but in strings: no docstring nor comment points there either
     text = DISPATCH.read_text()
     assert len(EXPERIMENT_REFERENCE.findall(text)) == len(named)
+
+
+def test_every_module_of_policyd_lives_in_a_layer() -> None:
+    """The folder listing is the layering: no module at policyd's root, no package unplaced."""
+    root = ROOT / "policyd"
+    assert sorted(p.name for p in root.glob("*.py")) == ["__init__.py"]
+    packages = {p.name for p in root.iterdir() if (p / "__init__.py").is_file()}
+    placed = {name.split(".")[1] for level in LAYERS for name in level}
+    assert packages == placed

@@ -12,19 +12,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import policyd.mrc
-import policyd.shards
+import policyd.models.mrc
+import policyd.models.shards
 from experiments.mrc_eval import interleave
-from policyd.mrc import (
+from policyd.models.mrc import (
     GiB,
     MissRatioCurve,
     mean_absolute_error,
     recommend,
 )
-from policyd.shards import DistanceHistogram, Shards
-from policyd.stackdist import ReferenceStream, leading_runs, stack_distances
+from policyd.models.shards import DistanceHistogram, Shards
+from policyd.models.stackdist import ReferenceStream, leading_runs, stack_distances
 from policyd.traces.location import SWE_TRAJECTORIES, TRACES_ENV, local_trace
-from policyd.workload import Call
+from policyd.workloads.calls import Call
 from policyd.workloads.pool import coding_pool
 
 Prompts = list[tuple[Sequence[int], int]]
@@ -56,8 +56,8 @@ def _estimate(
 
 
 def test_doctests():
-    assert doctest.testmod(policyd.mrc).failed == 0
-    assert doctest.testmod(policyd.shards).failed == 0
+    assert doctest.testmod(policyd.models.mrc).failed == 0
+    assert doctest.testmod(policyd.models.shards).failed == 0
 
 
 @given(st.integers(0, 2**63))
@@ -256,7 +256,7 @@ def test_estimator_rejects_bad_parameters():
 def test_swe_pool_estimate_meets_the_targets():
     """40 real trajectories as a pool of 16: chained (no violation), and the default
     fixed-size estimator within 0.01 MAE and 10% on the 90% capacity."""
-    from policyd.stackdist import effective_distances, monotone_violations  # noqa: PLC0415
+    from policyd.models.stackdist import effective_distances, monotone_violations  # noqa: PLC0415
     from policyd.traces.swe import swe_workload  # noqa: PLC0415
 
     assert SWE_ARCHIVE is not None
@@ -282,9 +282,9 @@ def test_swe_pool_estimate_meets_the_targets():
 def test_short_prompts_sample_as_the_numpy_path_does(prompt, salt, threshold):
     """Prompts up to SMALL_PROMPT_BLOCKS blocks are sampled in Python integers: the same
     blocks and mixed hashes, in the same order, as the numpy path."""
-    assert policyd.shards._sampled_small(prompt, salt, threshold) == policyd.shards._sampled(
+    assert policyd.models.shards._sampled_small(
         prompt, salt, threshold
-    )
+    ) == policyd.models.shards._sampled(prompt, salt, threshold)
 
 
 def test_short_prompt_hash_outside_uint64_is_an_overflow():

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from policyd.sim.replay import SimConfig, simulate
-from policyd.workload import Workload
 from policyd.workloads import make_workload
+from policyd.workloads.calls import Workload
 
 TOLERANCE = 0.01
 

@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policyd.engine import Engine
+from policyd.core.engine import Engine
+from policyd.core.types import BlocksStored, RequestFinished, RequestStarted, WorkflowFinished
+from policyd.models.predictor import Predictor
 from policyd.policies.pbkv import PBKV, RETIRED_SCORE
-from policyd.predictor import Predictor
 from policyd.sim.replay import SimConfig, simulate
-from policyd.types import BlocksStored, RequestFinished, RequestStarted, WorkflowFinished
 from policyd.workloads import make_workload
 
 SYS = (1, 2, 3)  # the planner's system prompt blocks, shared by every workflow

@@ -15,9 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policyd.engine import Engine, EngineState
-from policyd.policies import POLICIES, Ordering, Policy
-from policyd.types import (
+from policyd.core.engine import Engine, EngineState
+from policyd.core.types import (
     SNAPSHOT_CODEC,
     AllBlocksCleared,
     BlocksRemoved,
@@ -30,6 +29,7 @@ from policyd.types import (
     RequestStarted,
     WorkflowFinished,
 )
+from policyd.policies import POLICIES, Ordering, Policy
 from tests.conftest import build_policy, events
 
 Order = Sequence[tuple[str, Sequence[int]]]

@@ -20,7 +20,8 @@ from river import checks, metrics, utils
 
 from experiments import predictor_eval
 from experiments.predictor_eval import MarkovBaseline, evaluate, interleave
-from policyd.predictor import (
+from policyd.core.types import HintValue
+from policyd.models.predictor import (
     END,
     START,
     Forecast,
@@ -33,12 +34,11 @@ from policyd.predictor import (
     rollout,
     tracking,
 )
-from policyd.predictor import forecast as forecast_module
-from policyd.predictor.backoff import BackoffClassifier
+from policyd.models.predictor import forecast as forecast_module
+from policyd.models.predictor.backoff import BackoffClassifier
 from policyd.traces.location import WHO_AND_WHEN, local_trace
 from policyd.traces.whowhen import whowhen_workload
-from policyd.types import HintValue
-from policyd.workload import Call, Workload
+from policyd.workloads.calls import Call, Workload
 from policyd.workloads.pbkv import code_writing, fact_checking, financial
 
 WHOWHEN = local_trace(WHO_AND_WHEN)  # the public chats, when $AGENTKV_TRACES holds them

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from experiments import predictor_builds
-from policyd.predictor import SOURCES, compiled_modules
+from policyd.models.predictor import SOURCES, compiled_modules
 from policyd.traces.location import WHO_AND_WHEN, local_trace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,13 +75,13 @@ REPORT = """
     import warnings
     warnings.simplefilter("error", RuntimeWarning)
     try:
-        import policyd.predictor
+        import policyd.models.predictor
     except RuntimeWarning as warning:
         print("warned:", warning)
         warnings.simplefilter("ignore", RuntimeWarning)
-        import policyd.predictor
-    from policyd.predictor import fusion
-    print(policyd.predictor.BUILD, fusion.__file__)
+        import policyd.models.predictor
+    from policyd.models.predictor import fusion
+    print(policyd.models.predictor.BUILD, fusion.__file__)
 """
 
 
@@ -89,17 +89,17 @@ def test_an_edited_compiled_module_is_never_run_the_source_is_with_a_warning(
     copied: Path,
 ) -> None:
     # an "extension" that would not even load: the import must not try it
-    package = copied / "policyd" / "predictor"
+    package = copied / "policyd" / "models" / "predictor"
     (package / f"fusion{EXTENSION_SUFFIXES[0]}").write_bytes(b"not a shared object")
     _record(package, fusion="0" * 64)  # compiled from another source than this one
     done = _python(REPORT, path=copied, cwd=copied)
     assert done.returncode == 0, done.stderr
-    assert "warned: policyd.predictor: fusion changed since compiled" in done.stdout
+    assert "warned: policyd.models.predictor: fusion changed since compiled" in done.stdout
     assert f"interpreted {package / 'fusion.py'}" in done.stdout
 
 
 def test_agentkv_interpreted_runs_the_source_of_an_up_to_date_build(copied: Path) -> None:
-    package = copied / "policyd" / "predictor"
+    package = copied / "policyd" / "models" / "predictor"
     (package / f"fusion{EXTENSION_SUFFIXES[0]}").write_bytes(b"not a shared object")
     _record(package, fusion=_sha(package / "fusion.py"))
     done = _python(REPORT, path=copied, cwd=copied, AGENTKV_INTERPRETED="1")
@@ -115,7 +115,7 @@ def test_the_side_by_side_bench_refuses_an_install_that_is_not_compiled(
         predictor_builds.main([str(copied)])
     assert exit_.value.code == 2
     assert "is not compiled (no extension modules" in capsys.readouterr().err
-    package = copied / "policyd" / "predictor"
+    package = copied / "policyd" / "models" / "predictor"
     (package / f"fusion{EXTENSION_SUFFIXES[0]}").write_bytes(b"not a shared object")
     with pytest.raises(SystemExit) as exit_:
         predictor_builds.main([str(copied)])
@@ -126,8 +126,8 @@ def test_the_side_by_side_bench_refuses_an_install_that_is_not_compiled(
 CHECKPOINT = """
     import hashlib, pickle
     from pathlib import Path
-    import policyd.predictor
-    from policyd.predictor import Predictor
+    import policyd.models.predictor
+    from policyd.models.predictor import Predictor
     from policyd.workloads.pbkv import financial
     calls = [c for s in financial(seed=3, workflows=40).streams for c in s]
     half = len(calls) // 2
@@ -143,7 +143,7 @@ CHECKPOINT = """
         predictor = Predictor()
         run(predictor, calls[:half])
         checkpoint.write_bytes(pickle.dumps(predictor))
-    print(policyd.predictor.BUILD, run(pickle.loads(checkpoint.read_bytes()), calls[half:]))
+    print(policyd.models.predictor.BUILD, run(pickle.loads(checkpoint.read_bytes()), calls[half:]))
 """
 
 
@@ -169,7 +169,7 @@ def test_the_compiled_predictor_serves_the_same_forecasts(tmp_path: Path) -> Non
         check=False,
     )
     assert build.returncode == 0, build.stderr[-3000:]
-    compiled, stale = compiled_modules(install / "policyd" / "predictor")
+    compiled, stale = compiled_modules(install / "policyd" / "models" / "predictor")
     assert "fusion" in compiled and not stale
 
     # both builds side by side: the same forecasts (SHA-256; it exits 1 where they differ)

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from river import preprocessing
 
 from experiments.predictor_eval import interleave
-from policyd.predictor import END, Forecast, Predictor, context, mixture, rollout, tracking
-from policyd.types import HintValue
-from policyd.workload import Call
+from policyd.core.types import HintValue
+from policyd.models.predictor import END, Forecast, Predictor, context, mixture, rollout, tracking
+from policyd.workloads.calls import Call
 from policyd.workloads.pbkv import code_writing, fact_checking
 from tests.test_predictor import _replay_side_by_side
 

@@ -15,12 +15,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from policyd.engine import Clock, EngineState
-from policyd.policies import POLICIES, Policy
-from policyd.queues import KeyedQueue, LruQueue
-from policyd.sim.cache import HostOrderQueue, RunningSpace
-from policyd.sim.replay import SimConfig
-from policyd.types import (
+from policyd.core.engine import Clock, EngineState
+from policyd.core.queues import KeyedQueue, LruQueue
+from policyd.core.types import (
     BLOCK_SIZE_TOKENS,
     AllBlocksCleared,
     BlocksLoaded,
@@ -33,7 +30,10 @@ from policyd.types import (
     RequestStarted,
     Tier,
 )
-from policyd.workload import Call, Workload
+from policyd.policies import POLICIES, Policy
+from policyd.sim.cache import HostOrderQueue, RunningSpace
+from policyd.sim.replay import SimConfig
+from policyd.workloads.calls import Call, Workload
 from tests.conftest import RecordingEngine, check_ownership, replay, sim_cases
 
 POLICY_NAMES = sorted(POLICIES)

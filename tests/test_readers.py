@@ -22,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from rich.console import Console
 
+from policyd.core.types import BLOCK_SIZE_TOKENS
 from policyd.traces import (
     READERS,
     detect_format,
@@ -40,8 +41,7 @@ from policyd.traces.stats import Spread
 from policyd.traces.swe import parse_trajectory, swe_workload
 from policyd.traces.tokens import MessageTokenizer, chat_message, cl100k, encode
 from policyd.traces.whowhen import parse_chat, whowhen_workload
-from policyd.types import BLOCK_SIZE_TOKENS
-from policyd.workload import Call, PromptBuilder, Workload
+from policyd.workloads.calls import Call, PromptBuilder, Workload
 from tests.conftest import workloads
 
 DATA = Path(__file__).parent / "data"

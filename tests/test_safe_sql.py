@@ -13,6 +13,7 @@ import duckdb
 import pytest
 
 from policyd.cli import main
+from policyd.core.types import BlocksStored, EventBatch, RequestStarted
 from policyd.history import (
     TABLES,
     History,
@@ -23,7 +24,6 @@ from policyd.history import (
     run_readonly_query,
 )
 from policyd.history.safe_sql import RULES, open_locked
-from policyd.types import BlocksStored, EventBatch, RequestStarted
 from tests.holders import held_by_another_process
 
 NOW = 1_800_000_000.0

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import policyd.stackdist
+import policyd.models.stackdist
 from experiments.mrc_eval import interleave
-from policyd.mrc import MissRatioCurve
-from policyd.stackdist import (
+from policyd.models.mrc import MissRatioCurve
+from policyd.models.stackdist import (
     COLD,
     ReferenceStream,
     StackDistance,
@@ -24,7 +24,7 @@ from policyd.stackdist import (
     monotone_violations,
     stack_distances,
 )
-from policyd.workload import Call
+from policyd.workloads.calls import Call
 from policyd.workloads.pool import coding_pool
 from policyd.workloads.synthetic import synthetic_agents
 
@@ -155,7 +155,7 @@ def _chained_calls() -> list[Call]:
 
 
 def test_chained_prompts_are_monotone():
-    """The theorem in policyd.stackdist: with chained hashes, distances never fall toward a
+    """The theorem in policyd.models.stackdist: with chained hashes, distances never fall toward a
     prompt's tail, so effective distances equal distances (also for sampled sub-streams)."""
     stream = ReferenceStream.from_calls(_chained_calls())
     distances = stack_distances(stream.blocks)
@@ -189,7 +189,7 @@ def test_interleave_keeps_each_task_in_order_and_bounds_concurrency():
 
 
 def test_doctests():
-    assert doctest.testmod(policyd.stackdist).failed == 0
+    assert doctest.testmod(policyd.models.stackdist).failed == 0
 
 
 def test_random_prompts_with_shared_heads_are_monotone_only_when_chained():

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from policyd.queues import LruQueue
+from policyd.core.queues import LruQueue
+from policyd.core.types import PolicySnapshot, ScoredBlocks
 from policyd.sim.cache import GpuTier
 from policyd.tiers.budget import ADOPT_COST_OPS, BATCH_OPS, STARVED_STEPS, StepBudget
 from policyd.tiers.gpu import GpuApplier
 from policyd.tiers.host_order import HostOrder
 from policyd.tiers.view import Ownership, Retirement, SnapshotView
-from policyd.types import PolicySnapshot, ScoredBlocks
 
 
 def pool_with_free(blocks: list[int], capacity: int = 16) -> GpuTier:

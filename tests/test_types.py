@@ -10,8 +10,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from policyd.policies import POLICIES, make_policy
-from policyd.types import (
+from policyd.core.types import (
     BATCH_CODEC,
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -25,6 +24,7 @@ from policyd.types import (
     ScoredBlocks,
     WorkflowFinished,
 )
+from policyd.policies import POLICIES, make_policy
 from tests.conftest import EVENT_STRATEGIES, batches, events, snapshots
 
 CODEC_SETTINGS = settings(

@@ -17,9 +17,9 @@ import pyarrow as pa  # type: ignore[import-untyped]
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from policyd.daemon.demo import DemoRun
 from policyd.daemon.server import start_daemon
 from policyd.daemon.settings import DaemonSettings
-from policyd.demo import DemoRun
 from ui import charts, screenshots
 from ui.client import Client, DaemonRejectedError
 from ui.demo import start_live_daemon

@@ -6,12 +6,12 @@ from typing import ClassVar
 
 import pytest
 
-from policyd.engine import EngineState
+from policyd.core.engine import EngineState
+from policyd.core.types import BlocksStored, Event, RequestFinished, RequestStarted
 from policyd.policies.agentkv import AgentKV
 from policyd.policies.lru import LRU
 from policyd.policies.virtual import VirtualReferee, VirtualTier
 from policyd.sim.replay import SimConfig, Simulator
-from policyd.types import BlocksStored, Event, RequestFinished, RequestStarted
 from policyd.workloads import make_workload
 
 

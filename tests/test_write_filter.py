@@ -23,13 +23,13 @@ from __future__ import annotations
 from functools import cache
 
 from experiments.mrc_eval import interleave
+from policyd.core.policy import Policy
 from policyd.policies import make_policy
-from policyd.policies.base import Policy
 from policyd.sim.audit import DeclineAudit
 from policyd.sim.replay import SimConfig, Simulator
 from policyd.sim.report import Report
-from policyd.workload import Workload, sequential
 from policyd.workloads import make_workload
+from policyd.workloads.calls import Workload, sequential
 
 GPU_BLOCKS = 1536
 SMALL_HOST_BLOCKS = 1500  # below the pool's reuse working set: LRU thrashes

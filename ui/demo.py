@@ -1,6 +1,6 @@
 """A daemon full of replay data for the dashboard's tests and screenshots (not used by the app).
 
-``policyd demo`` (``policyd.demo.run_demo``) replays generated agent workflows through a real
+``policyd demo`` (``policyd.daemon.demo.run_demo``) replays generated agent workflows through a real
 daemon - real sockets, the real HTTP API, a real DuckDB history - until they all finish. The
 dashboard's predictions page is about workflows still running, so ``start_live_daemon`` then
 replays the first half of a few more workflows over the same wire and leaves them mid-flight
@@ -20,14 +20,14 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from policyd.client import DaemonClient
+from policyd.core.client import DaemonClient
+from policyd.core.types import EventBatch, WorkflowFinished
+from policyd.core.wire import Endpoints
+from policyd.daemon.demo import DEFAULT_WORKLOADS, DemoRun, RemoteEngine, demo_workload, run_demo
 from policyd.daemon.server import RunningDaemon
-from policyd.demo import DEFAULT_WORKLOADS, DemoRun, RemoteEngine, demo_workload, run_demo
 from policyd.policies import make_policy
 from policyd.sim.replay import SimConfig, Simulator
-from policyd.types import EventBatch, WorkflowFinished
-from policyd.wire import Endpoints
-from policyd.workload import Workload
+from policyd.workloads.calls import Workload
 
 LIVE_PREFIX = "live-"
 

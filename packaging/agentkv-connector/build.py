@@ -25,7 +25,8 @@ CONNECTOR_MODULES: Final = (
     "__init__", "copy_plan", "deferred", "events", "params", "plugin", "runtime", "trace_file",
     "vllm_adapter",
 )  # fmt: skip
-VOCABULARY: Final = ("__init__", "types", "wire", "client")
+PACKAGE: Final = ("__init__",)
+VOCABULARY: Final = ("__init__", "types", "wire", "client")  # policyd/core
 TIERS: Final = ("__init__", "budget", "gpu", "host_order", "view")
 
 
@@ -33,7 +34,8 @@ def stage(into: Path) -> None:
     shutil.copyfile(HERE / "pyproject.toml", into / "pyproject.toml")
     for package, names in (
         ("connector", CONNECTOR_MODULES),
-        ("policyd", VOCABULARY),
+        ("policyd", PACKAGE),
+        ("policyd/core", VOCABULARY),
         ("policyd/tiers", TIERS),
     ):
         (into / package).mkdir(parents=True)

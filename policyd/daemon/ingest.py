@@ -45,8 +45,8 @@ from typing import Final
 import msgspec
 import zmq
 
-from policyd.ratelog import RateLimitedLog, quote
-from policyd.types import (
+from policyd.core.ratelog import RateLimitedLog, quote
+from policyd.core.types import (
     BLOCK_LEVEL,
     AllBlocksCleared,
     BlocksLoaded,
@@ -58,8 +58,8 @@ from policyd.types import (
     RequestFinished,
     WorkflowFinished,
 )
-from policyd.validate import Validator
-from policyd.wire import MAX_EVENTS_PER_BATCH
+from policyd.core.validate import Validator
+from policyd.core.wire import MAX_EVENTS_PER_BATCH
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def block_events(batch: EventBatch) -> int:
     """Block events a batch stands for: one per hash named by a block-level event (a
     ``BlocksStored`` of a request's 16 new blocks is 16 block events).
 
-    >>> from policyd.types import BlocksStored as S, WorkflowFinished as W
+    >>> from policyd.core.types import BlocksStored as S, WorkflowFinished as W
     >>> block_events(EventBatch("s", 1, (S(ts=0.0, tier="gpu", block_hashes=(1, 2, 3)),
     ...                                 W(ts=0.0, workflow_id="w"))))
     3
@@ -148,7 +148,7 @@ def coalesce(batch: EventBatch) -> EventBatch:
     run of single-block events costs one call instead of one per block; the outcome is the
     same because nothing else happens between the events of a run.
 
-    >>> from policyd.types import BlocksStored as S
+    >>> from policyd.core.types import BlocksStored as S
     >>> b = EventBatch("s", 1, (S(ts=1.0, tier="gpu", block_hashes=(1,)),
     ...                         S(ts=2.0, tier="gpu", block_hashes=(2, 3))))
     >>> coalesce(b).events
@@ -196,7 +196,7 @@ class IngestCounters:
     block_events_received: int = 0  # hashes named by block-level events received
     block_events_shed: int = 0  # of them, sampled away
     frames_dropped_undecoded: int = 0  # of frames_dropped, past the last resort: not decoded
-    events_invalid: int = 0  # events out of their schema's ranges, dropped (policyd.validate)
+    events_invalid: int = 0  # events out of their schema's ranges, dropped (policyd.core.validate)
     oversize_frames: int = 0  # of malformed_frames, over max_frame_bytes
     connections_closed: int = 0  # sender connections closed (by the sender, or by ZeroMQ for a
     # frame over its transport cap, 4 x max_frame_bytes: such a frame never reaches the queue)

@@ -18,7 +18,7 @@ Mapping to our vocabulary:
 * block hash: vLLM's ``ExternalBlockHash`` is a 32-byte sha256 digest (or an int with the
   builtin hash): we keep the **first 8 bytes, big-endian, as an unsigned 64-bit int** (an int is
   reduced modulo 2^64) - the same key our connector derives from the same digest
-  (policyd/types.py), so both streams name a block alike;
+  (policyd/core/types.py), so both streams name a block alike;
 * ``medium``: ``"GPU"`` (or absent) -> tier ``gpu``; ``"CPU"`` -> tier ``host``; anything else is
   counted as ``unknown_medium`` and skipped;
 * BlockStored -> ``BlocksStored``, BlockRemoved -> ``BlocksRemoved``, AllBlocksCleared ->
@@ -36,8 +36,15 @@ from typing import Final
 import msgspec
 import zmq
 
-from policyd.ratelog import RateLimitedLog, quote
-from policyd.types import AllBlocksCleared, BlocksRemoved, BlocksStored, Event, EventBatch, Tier
+from policyd.core.ratelog import RateLimitedLog, quote
+from policyd.core.types import (
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    Event,
+    EventBatch,
+    Tier,
+)
 
 log = logging.getLogger(__name__)
 _RATELOG = RateLimitedLog(log)  # a stream of bad batches writes a line per 10 s, with a count

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from policyd.predictor import END, Forecast, Predictor
+from policyd.models.predictor import END, Forecast, Predictor
 
 MAX_WORKFLOWS: Final = 100_000
 MIN_FORECAST_INTERVAL_S: Final = 0.2  # per workflow: faster call bursts are logged sampled

@@ -32,6 +32,23 @@ from typing import Any, Final
 import msgspec
 import zmq
 
+from policyd.core.engine import Engine
+from policyd.core.memory import release_free_heap
+from policyd.core.profiles import get_profile
+from policyd.core.types import (
+    SNAPSHOT_CODEC,
+    TIERS,
+    BlocksLoaded,
+    BlocksRemoved,
+    BlocksStored,
+    Event,
+    PolicySnapshot,
+    PrefixHit,
+    RequestStarted,
+    Tier,
+    WorkflowFinished,
+)
+from policyd.core.wire import SNAPSHOT_TOPIC
 from policyd.daemon import checkpoint
 from policyd.daemon.ingest import IngestQueue, Received, Receiver
 from policyd.daemon.kv_events import KvEventSubscriber
@@ -45,31 +62,14 @@ from policyd.daemon.sizing import (
     lru_recomputed_blocks,
 )
 from policyd.daemon.stats import stats
-from policyd.engine import Engine
 from policyd.history import History, HistoryConfig
 from policyd.history.files import remove_stale_temp_files
 from policyd.history.process import HistoryProcess
-from policyd.memory import release_free_heap
-from policyd.mrc import GiB
+from policyd.models.mrc import GiB
+from policyd.models.predictor import BUILD as PREDICTOR_BUILD
+from policyd.models.predictor import Predictor
+from policyd.models.shards import Shards
 from policyd.policies import POLICIES, Policy, make_policy
-from policyd.predictor import BUILD as PREDICTOR_BUILD
-from policyd.predictor import Predictor
-from policyd.shards import Shards
-from policyd.sim.profiles import get_profile
-from policyd.types import (
-    SNAPSHOT_CODEC,
-    TIERS,
-    BlocksLoaded,
-    BlocksRemoved,
-    BlocksStored,
-    Event,
-    PolicySnapshot,
-    PrefixHit,
-    RequestStarted,
-    Tier,
-    WorkflowFinished,
-)
-from policyd.wire import SNAPSHOT_TOPIC
 
 log = logging.getLogger(__name__)
 

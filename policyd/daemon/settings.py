@@ -17,16 +17,16 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Final
 
-from policyd.daemon.ingest import INGEST_MAX_FRAME_BYTES
-from policyd.policies import POLICIES
-from policyd.ratelog import QUOTE_CHARS, quote
-from policyd.sim.profiles import PROFILES
-from policyd.wire import (
+from policyd.core.profiles import PROFILES
+from policyd.core.ratelog import QUOTE_CHARS, quote
+from policyd.core.wire import (
     DEFAULT_EVENTS_ENDPOINT,
     DEFAULT_HTTP_HOST,
     DEFAULT_HTTP_PORT,
     DEFAULT_SNAPSHOT_ENDPOINT,
 )
+from policyd.daemon.ingest import INGEST_MAX_FRAME_BYTES
+from policyd.policies import POLICIES
 
 ENV_PREFIX: Final = "POLICYD_"
 HISTORY_WRITERS: Final = ("process", "thread")

@@ -1,6 +1,6 @@
 """The daemon's online host-tier sizing: the SHARDS miss-ratio curve of every prompt seen so far
-(``policyd.shards.Shards``, fed by RequestStarted block hashes) read through
-``policyd.mrc.recommend`` (EfficientAgent's sizing), as API rows and history rows."""
+(``policyd.models.shards.Shards``, fed by RequestStarted block hashes) read through
+``policyd.models.mrc.recommend`` (EfficientAgent's sizing), as API rows and history rows."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any, Final
 
 import numpy as np
 
-from policyd.mrc import GiB, recommend
-from policyd.shards import Shards
+from policyd.models.mrc import GiB, recommend
+from policyd.models.shards import Shards
 
 MRC_POINTS: Final = 64
 _MASK: Final = (1 << 64) - 1

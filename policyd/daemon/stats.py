@@ -12,14 +12,14 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
+from policyd.core.engine import Engine
+from policyd.core.types import PolicySnapshot
 from policyd.daemon.ingest import IngestQueue
 from policyd.daemon.kv_events import KvEventSubscriber
 from policyd.daemon.predictions import PredictionLog
-from policyd.engine import Engine
 from policyd.history.process import HistoryProcess
 from policyd.history.store import History
-from policyd.predictor import BUILD, Predictor
-from policyd.types import PolicySnapshot
+from policyd.models.predictor import BUILD, Predictor
 
 
 class StatsSource(Protocol):

@@ -20,8 +20,7 @@ from typing import Final
 import numpy as np
 import pyarrow as pa  # type: ignore[import-untyped]
 
-from policyd.history.schema import ARROW_SCHEMAS
-from policyd.types import (
+from policyd.core.types import (
     BLOCK_LEVEL,
     BlocksLoaded,
     BlocksRemoved,
@@ -32,6 +31,7 @@ from policyd.types import (
     RequestFinished,
     RequestStarted,
 )
+from policyd.history.schema import ARROW_SCHEMAS
 
 _U64_MASK: Final = (1 << 64) - 1
 # how many started requests' block hashes are kept to turn a later PrefixHit into 'hit' rows

@@ -60,13 +60,13 @@ from typing import Any, Final
 import msgspec
 import zmq
 
+from policyd.core.memory import rss_bytes
+from policyd.core.ratelog import RateLimitedLog, quote
+from policyd.core.types import BATCH_CODEC, EventBatch
 from policyd.history.fanout import rows_estimate
 from policyd.history.revisions import HistoryError, migrate
 from policyd.history.schema import check_rows
 from policyd.history.store import CLOSE_FLUSH_TIMEOUT_S, History, HistoryConfig
-from policyd.memory import rss_bytes
-from policyd.ratelog import RateLimitedLog, quote
-from policyd.types import BATCH_CODEC, EventBatch
 
 log = logging.getLogger(__name__)
 

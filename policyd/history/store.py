@@ -28,15 +28,15 @@ from typing import Any, Final, TypeVar
 import duckdb
 import pyarrow as pa  # type: ignore[import-untyped]
 
+from policyd.core.ratelog import RateLimitedLog, quote
+from policyd.core.types import EventBatch
+from policyd.core.validate import Validator
 from policyd.history.fanout import FanOut, Pending, requests_only, rows_estimate
 from policyd.history.files import default_snapshot_path
 from policyd.history.revisions import HistoryError, _open_error, migrate
 from policyd.history.sampling import AdaptiveRate
 from policyd.history.schema import ARROW_SCHEMAS, TABLES, check_rows
 from policyd.history.snapshot import copy_database
-from policyd.ratelog import RateLimitedLog, quote
-from policyd.types import EventBatch
-from policyd.validate import Validator
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -307,7 +307,7 @@ class History:
         and hash, whatever the sample rate - so memory stays bounded however low the rate goes.
         A batch past the bound is cut to its request-level events, whose rows still go in while
         they fit; the rows its block events would have made are dropped and counted. Events out
-        of their schema's ranges (``policyd.validate``) are left out first, counted."""
+        of their schema's ranges (``policyd.core.validate``) are left out first, counted."""
         batch = self._validator.clean(batch)
         with self._lock:
             budget, share = self.config.cpu_budget, self._cpu_share

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from policyd.core.policy import Ordering, Policy
 from policyd.policies.agentkv import AgentKV
-from policyd.policies.base import Ordering, Policy
 from policyd.policies.belady import Belady, FutureIndex
 from policyd.policies.efficientagent import EfficientAgent
 from policyd.policies.kvflow import KVFlow

@@ -70,16 +70,8 @@ from typing import ClassVar, TypeVar
 
 import msgspec
 
-from policyd.mrc import Sizing
-from policyd.policies.efficientagent import WorkingSet
-from policyd.policies.guard import RecencyGuard
-from policyd.policies.pbkv import PBKV
-from policyd.policies.referee import RankingReferee
-from policyd.policies.stepgraph import StepGraph
-from policyd.policies.virtual import VirtualReferee
-from policyd.predictor import MIN_BRANCH, Predictor
-from policyd.state import EngineState
-from policyd.types import (
+from policyd.core.state import EngineState
+from policyd.core.types import (
     BLOCK_SIZE_TOKENS,
     Admit,
     BlocksStored,
@@ -92,6 +84,14 @@ from policyd.types import (
     WriteFilter,
     score_map,
 )
+from policyd.models.mrc import Sizing
+from policyd.models.predictor import MIN_BRANCH, Predictor
+from policyd.models.stepgraph import StepGraph
+from policyd.policies.efficientagent import WorkingSet
+from policyd.policies.guard import RecencyGuard
+from policyd.policies.pbkv import PBKV
+from policyd.policies.referee import RankingReferee
+from policyd.policies.virtual import VirtualReferee
 
 _K = TypeVar("_K")
 Key = tuple[str, str]  # (workflow, agent): one agent's private prompt in one workflow

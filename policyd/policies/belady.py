@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from policyd.policies.base import Ordering, Policy
-from policyd.state import EngineState
-from policyd.types import Event, RequestStarted, Tier
+from policyd.core.policy import Ordering, Policy
+from policyd.core.state import EngineState
+from policyd.core.types import Event, RequestStarted, Tier
 
 
 class FutureIndex:

@@ -15,8 +15,8 @@ taken once per request (its README: ``save(r) = not (p_t and u > kappa)``):
 
 The working set is the online estimate the daemon keeps (``WorkingSet``: a fixed-size SHARDS
 estimator of the miss-ratio curve fed by every ``RequestStarted``), read as the capacity reaching
-``coverage`` of the achievable reuse - the size ``policyd.mrc.recommend`` would recommend. The
-paper's connector uses the closed form ``(A - 1) x mean prompt``; ``working_set="closed-form"``
+``coverage`` of the achievable reuse - the size ``policyd.models.mrc.recommend`` would recommend.
+The paper's connector uses the closed form ``(A - 1) x mean prompt``; ``working_set="closed-form"``
 selects that instead (A = workflows active in the last window).
 
 Difference, stated: LMCache counts ``u = floor(n/b) - floor(h/b)`` whole chunks; the simulator and
@@ -30,11 +30,9 @@ from collections import deque
 from collections.abc import Sequence
 from typing import ClassVar, Literal
 
-from policyd.mrc import Sizing, recommend
-from policyd.policies.base import Ordering, Policy
-from policyd.shards import Shards
-from policyd.state import EngineState
-from policyd.types import (
+from policyd.core.policy import Ordering, Policy
+from policyd.core.state import EngineState
+from policyd.core.types import (
     BLOCK_SIZE_TOKENS,
     Admit,
     BlocksRemoved,
@@ -44,6 +42,8 @@ from policyd.types import (
     WriteFilter,
     WriteFilterMode,
 )
+from policyd.models.mrc import Sizing, recommend
+from policyd.models.shards import Shards
 
 WorkingSetSource = Literal["shards", "closed-form"]
 KV_BYTES_PER_BLOCK_DEFAULT = 131_072 * BLOCK_SIZE_TOKENS  # Llama-3.1-8B bf16 (profiles.py)
@@ -253,5 +253,5 @@ class EfficientAgent(Policy):
         return self.mode == "fixed" or (self.mode == "conditioned" and self.pressure)
 
     def sizing(self) -> Sizing:
-        """The host-tier size recommendation from the online estimate (``policyd.mrc``)."""
+        """The host-tier size recommendation from the online estimate (``policyd.models.mrc``)."""
         return self.working_set.sizing()

@@ -46,7 +46,7 @@ from typing import Final
 
 import numpy as np
 
-from policyd.types import Event, PrefixHit, RequestFinished, RequestStarted
+from policyd.core.types import Event, PrefixHit, RequestFinished, RequestStarted
 
 MAX_SHADOW_BLOCKS: Final = 8192
 MAX_OPEN_REQUESTS: Final = 65536  # requests never reported finished are forgotten past this

@@ -24,13 +24,13 @@ first (highest) score it gets, so a block reachable along two paths takes the ne
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import ClassVar
 
-from policyd.policies.base import Ordering, ScoredPolicy
-from policyd.state import EngineState, WorkflowState
-from policyd.types import PolicySnapshot, ScoredBlocks, score_map
+from policyd.core.policy import Ordering, ScoredPolicy
+from policyd.core.state import EngineState, WorkflowState
+from policyd.core.types import PolicySnapshot, ScoredBlocks, score_map
+from policyd.models.stepgraph import steps_from
 
 AgentGraph = Mapping[str, Sequence[str]]
 
@@ -60,20 +60,6 @@ DEFAULT_GRAPHS: dict[str, dict[str, list[str]]] = {
         "writer": [],
     },
 }
-
-
-def steps_from(graph: Mapping[str, Iterable[str]], start: str) -> dict[str, int]:
-    """BFS distances from ``start`` to every agent reachable in at least one step (``start``
-    itself only if a cycle leads back to it). Unreachable agents are absent (infinite)."""
-    steps: dict[str, int] = {}
-    frontier: deque[tuple[str, int]] = deque((nxt, 1) for nxt in graph.get(start, ()))
-    while frontier:
-        agent, k = frontier.popleft()
-        if agent in steps:
-            continue
-        steps[agent] = k
-        frontier.extend((nxt, k + 1) for nxt in graph.get(agent, ()) if nxt not in steps)
-    return steps
 
 
 class KVFlow(ScoredPolicy):

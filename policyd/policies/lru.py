@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from policyd.policies.base import Ordering, Policy
+from policyd.core.policy import Ordering, Policy
 
 
 class LRU(Policy):

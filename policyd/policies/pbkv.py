@@ -25,10 +25,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from policyd.policies.base import Ordering, ScoredPolicy
-from policyd.predictor import END, MIN_BRANCH, Forecast, Predictor
-from policyd.state import EngineState
-from policyd.types import (
+from policyd.core.policy import Ordering, ScoredPolicy
+from policyd.core.state import EngineState
+from policyd.core.types import (
     BlocksRemoved,
     Event,
     PolicySnapshot,
@@ -37,6 +36,7 @@ from policyd.types import (
     WorkflowFinished,
     score_map,
 )
+from policyd.models.predictor import END, MIN_BRANCH, Forecast, Predictor
 
 RETIRED_SCORE = -1.0
 

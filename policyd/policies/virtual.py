@@ -37,9 +37,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
+from policyd.core.queues import KeyedQueue
+from policyd.core.types import BLOCK_SIZE_TOKENS
 from policyd.policies.referee import preferred
-from policyd.queues import KeyedQueue
-from policyd.types import BLOCK_SIZE_TOKENS
 
 
 class VirtualTier:

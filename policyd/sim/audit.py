@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from policyd.queues import LruQueue
+from policyd.core.queues import LruQueue
 from policyd.sim.cache import HostTier
 
 

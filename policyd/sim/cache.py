@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Literal
 
-from policyd.queues import EvictionQueue, LruQueue
+from policyd.core.queues import EvictionQueue, LruQueue
 from policyd.tiers.host_order import HostOrder
 
 RunningSpace = Literal["shared", "separate"]

@@ -34,10 +34,10 @@ from typing import Any
 
 import msgspec
 
+from policyd.core.types import PolicySnapshot
 from policyd.policies import make_policy
 from policyd.sim.replay import SimConfig, Simulator
-from policyd.types import PolicySnapshot
-from policyd.workload import Call, Workload
+from policyd.workloads.calls import Call, Workload
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,17 +32,10 @@ from typing import Protocol
 
 import msgspec
 
-from policyd.engine import Engine
-from policyd.policies import FutureIndex, Policy, make_policy
-from policyd.queues import KeyedQueue, LruQueue
-from policyd.sim.audit import DeclineAudit
-from policyd.sim.cache import GpuTier, HostOrderQueue, HostTier, RunningSpace
-from policyd.sim.profiles import HardwareProfile, get_profile
-from policyd.sim.report import Report, RequestRecord
-from policyd.tiers.budget import StepBudget
-from policyd.tiers.gpu import DEFAULT_STEP_OPS, GpuApplier, gpu_caps
-from policyd.tiers.view import Ownership, SnapshotView, write_allowed
-from policyd.types import (
+from policyd.core.engine import Engine
+from policyd.core.profiles import HardwareProfile, get_profile
+from policyd.core.queues import KeyedQueue, LruQueue
+from policyd.core.types import (
     BATCH_CODEC,
     BLOCK_SIZE_TOKENS,
     BlocksLoaded,
@@ -57,7 +50,14 @@ from policyd.types import (
     Tier,
     WorkflowFinished,
 )
-from policyd.workload import Call, Stream, Workload
+from policyd.policies import FutureIndex, Policy, make_policy
+from policyd.sim.audit import DeclineAudit
+from policyd.sim.cache import GpuTier, HostOrderQueue, HostTier, RunningSpace
+from policyd.sim.report import Report, RequestRecord
+from policyd.tiers.budget import StepBudget
+from policyd.tiers.gpu import DEFAULT_STEP_OPS, GpuApplier, gpu_caps
+from policyd.tiers.view import Ownership, SnapshotView, write_allowed
+from policyd.workloads.calls import Call, Stream, Workload
 
 Progress = Callable[[int], None]  # called with the number of calls completed since last call
 # (request id, candidate blocks) -> the blocks written: a per-block host admission decided
@@ -129,7 +129,7 @@ class EngineCounters(Protocol):
 
 
 class SimEngine(Protocol):
-    """What the simulator asks of its engine: ``policyd.engine.Engine`` in-process by default,
+    """What the simulator asks of its engine: ``policyd.core.engine.Engine`` in-process by default,
     or a stand-in given as ``engine=`` (the demo's, which forwards the events to a daemon)."""
 
     @property

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import Final
 
-from policyd.types import PolicySnapshot, ScoredBlocks, WriteFilter, score_map
+from policyd.core.types import PolicySnapshot, ScoredBlocks, WriteFilter, score_map
 
 DEFAULT_TOP_BLOCKS: Final = 8192  # ranked blocks a view lists for the GPU plan
 MAX_TRACKED_WORKFLOWS: Final = 4096  # ownership memory: the oldest workflows are forgotten

@@ -25,7 +25,7 @@ from policyd.traces.mooncake import mooncake_workload
 from policyd.traces.stats import TraceStats, render_stats, trace_stats
 from policyd.traces.swe import TRAJ_SUFFIX, read_swe, swe_workload
 from policyd.traces.whowhen import read_whowhen, whowhen_workload
-from policyd.workload import Workload
+from policyd.workloads.calls import Workload
 
 
 @dataclass(frozen=True, slots=True)

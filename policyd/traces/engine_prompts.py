@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from policyd.traces import load_trace
-from policyd.workload import Call, Workload
+from policyd.workloads.calls import Call, Workload
 
 VOCAB_LOW = 3  # the tiny model's first three ids are special tokens
 

@@ -8,7 +8,7 @@ The first non-blank line is the header, then one line per call, in the order cal
      "output_block_hashes": [789], "hints": {"step": 0}, "last": false, "parallel": false,
      "ts": 12.25}
 
-(one line each). Fields of a call, as ``policyd.workload.Call``:
+(one line each). Fields of a call, as ``policyd.workloads.calls.Call``:
 
 * ``workflow_id`` (string), ``agent`` (string), ``block_hashes`` (unsigned 64-bit integers: the
   prompt's full ``block_size``-token blocks as chained hashes), ``prompt_tokens`` (integer, at
@@ -35,8 +35,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Final
 
-from policyd.types import BLOCK_SIZE_TOKENS, HintValue
-from policyd.workload import Call, Workload
+from policyd.core.types import BLOCK_SIZE_TOKENS, HintValue
+from policyd.workloads.calls import Call, Workload
 
 FORMAT: Final = "agentkv-calls"
 VERSION: Final = 1

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
 
-from policyd.types import BLOCK_SIZE_TOKENS
-from policyd.workload import ROOT_HASH, Call, Workload, chain_hash, sequential
+from policyd.core.types import BLOCK_SIZE_TOKENS
+from policyd.workloads.calls import ROOT_HASH, Call, Workload, chain_hash, sequential
 
 MOONCAKE_BLOCK_TOKENS = 512
 SUB_BLOCKS = MOONCAKE_BLOCK_TOKENS // BLOCK_SIZE_TOKENS  # 16-token blocks per Mooncake block

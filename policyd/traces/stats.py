@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from rich.table import Table
 
-from policyd.workload import Workload
+from policyd.workloads.calls import Workload
 
 TOP_AGENTS = 10  # agents listed by name in the table; the rest are summed
 

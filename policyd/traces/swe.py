@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
+from policyd.core.types import HintValue
 from policyd.traces.tokens import Message, MessageTokenizer
-from policyd.types import HintValue
-from policyd.workload import Call, PromptBuilder, Workload
+from policyd.workloads.calls import Call, PromptBuilder, Workload
 
 TRAJ_SUFFIX = ".traj.json"
 AGENT = "swe-agent"

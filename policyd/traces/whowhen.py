@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Literal
 
 from policyd.traces.tokens import Message, MessageTokenizer
-from policyd.workload import Call, PromptBuilder, Workload
+from policyd.workloads.calls import Call, PromptBuilder, Workload
 
 WORKFLOW_TYPE = "who-and-when"
 CallsFrom = Literal["system_prompt", "all"]

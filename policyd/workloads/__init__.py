@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from policyd.workload import Workload
+from policyd.workloads.calls import Workload
 from policyd.workloads.chats import group_chat
 from policyd.workloads.mixed import mixed
 from policyd.workloads.pbkv import code_writing, fact_checking, financial

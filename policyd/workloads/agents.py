@@ -15,8 +15,8 @@ import math
 import random
 from dataclasses import dataclass
 
-from policyd.types import HintValue
-from policyd.workload import Call, PromptBuilder
+from policyd.core.types import HintValue
+from policyd.workloads.calls import Call, PromptBuilder
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from policyd.workload import Call, PromptBuilder, Workload
 from policyd.workloads.agents import lognormal
+from policyd.workloads.calls import Call, PromptBuilder, Workload
 
 
 def group_chat(

@@ -18,7 +18,7 @@ import dataclasses
 import random
 from collections.abc import Callable, Mapping
 
-from policyd.workload import Call, Stream, Workload
+from policyd.workloads.calls import Call, Stream, Workload
 from policyd.workloads.pbkv import code_writing, fact_checking, financial
 from policyd.workloads.pool import coding_pool
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 import math
 import random
 
-from policyd.workload import Call, Workload
 from policyd.workloads.agents import AgentSpec, WorkflowPrompts, lognormal
+from policyd.workloads.calls import Call, Workload
 
 
 def _sigmoid(x: float) -> float:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import random
 
-from policyd.workload import Call, Workload
 from policyd.workloads.agents import AgentSpec, WorkflowPrompts, lognormal
+from policyd.workloads.calls import Call, Workload
 
 SWE_AGENT = AgentSpec("swe-agent", system_tokens=2300, output_median_tokens=160, output_sigma=0.6)
 

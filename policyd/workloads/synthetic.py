@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from policyd.workload import Call, PromptBuilder, Workload
+from policyd.workloads.calls import Call, PromptBuilder, Workload
 
 AGENTS = ("planner", "researcher", "coder", "tester", "writer")
 # row: from-agent, columns: to-agent (same order as AGENTS)

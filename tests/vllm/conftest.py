@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from policyd.types import Event, PolicySnapshot
+from policyd.core.types import Event, PolicySnapshot
 
 if importlib.util.find_spec("vllm") is None:  # the main venv: nothing here to run
     collect_ignore_glob = ["test_*.py"]

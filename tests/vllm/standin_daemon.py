@@ -1,7 +1,7 @@
 """A stand-in daemon process for the engine tests: the real wire, scripted decisions.
 
-It binds the PULL and PUB sockets exactly as ``policyd serve`` does (policyd.wire), appends every
-event it receives to ``events_path`` as one JSON line, and every 50 ms publishes the snapshot
+It binds the PULL and PUB sockets exactly as ``policyd serve`` does (policyd.core.wire), appends
+every event it receives to ``events_path`` as one JSON line, and every 50 ms publishes the snapshot
 found in ``snapshot_path`` (a JSON ``PolicySnapshot``), or random bytes when that file says
 ``GARBAGE``. The tests write the file to script the decisions and kill the process to test a
 daemon that dies; ``policyd serve`` computes its own decisions, which a test cannot pin down.
@@ -19,8 +19,8 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from policyd.types import BATCH_CODEC, SNAPSHOT_CODEC, CodecError, PolicySnapshot
-from policyd.wire import SNAPSHOT_TOPIC
+from policyd.core.types import BATCH_CODEC, SNAPSHOT_CODEC, CodecError, PolicySnapshot
+from policyd.core.wire import SNAPSHOT_TOPIC
 
 
 def main(argv: list[str]) -> None:

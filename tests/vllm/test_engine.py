@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from policyd.types import (
+from policyd.core.types import (
     BlocksLoaded,
     BlocksRemoved,
     BlocksStored,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from connector.runtime import ConnectorRuntime
-from policyd.types import Event, PolicySnapshot
+from policyd.core.types import Event, PolicySnapshot
 
 pytestmark = pytest.mark.vllm
 

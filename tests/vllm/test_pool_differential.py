@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from policyd.queues import LruQueue
+from policyd.core.queues import LruQueue
+from policyd.core.types import PolicySnapshot, ScoredBlocks
 from policyd.sim.cache import GpuTier
 from policyd.tiers.gpu import GpuApplier
 from policyd.tiers.view import SnapshotView
-from policyd.types import PolicySnapshot, ScoredBlocks
 
 pytestmark = pytest.mark.vllm
 

@@ -1,6 +1,6 @@
 """What the Engine knows about the cache and its workflows, as policies read it.
 
-``EngineState`` is written only by the Engine (policyd/engine.py) and read by every policy
+``EngineState`` is written only by the Engine (policyd/core/engine.py) and read by every policy
 (policyd/policies/): the policy contract depends on this module, not on the Engine, so the two
 import in one direction only.
 """
@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import count, repeat
 
-from policyd.types import TIERS, PrefixHit, Tier
+from policyd.core.types import TIERS, PrefixHit, Tier
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """Events checked against their schema's ranges before they reach the Engine or the history.
 
-The codec (policyd/types.py) checks types; this checks values. An event out of range is
+The codec (policyd/core/types.py) checks types; this checks values. An event out of range is
 dropped and counted by reason; the rest of its batch goes on. ``check_event`` is stateless (the
 history process runs it too); ``Validator.clean`` adds what needs the Engine's state: a
 prefix hit's block counts within its request's prompt blocks.
@@ -15,7 +15,7 @@ The ranges (``REASONS`` names what each refusal means):
 * ids, agent names and workflow types are at most ``MAX_ID_CHARS`` characters; hints at most
   ``MAX_HINTS`` entries of finite numbers or strings of at most ``MAX_ID_CHARS``.
 
->>> from policyd.types import PrefixHit, WorkflowFinished
+>>> from policyd.core.types import PrefixHit, WorkflowFinished
 >>> check_event(PrefixHit(ts=0.0, request_id="r", gpu_blocks=-1, host_blocks=0,
 ...                       recomputed_blocks=0))
 'negative_count'
@@ -33,7 +33,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Final
 
-from policyd.types import (
+from policyd.core.types import (
     AllBlocksCleared,
     BlocksLoaded,
     BlocksRemoved,
@@ -47,7 +47,7 @@ from policyd.types import (
 )
 
 if TYPE_CHECKING:
-    from policyd.state import EngineState
+    from policyd.core.state import EngineState
 
 MAX_BLOCKS_PER_EVENT: Final = 1 << 20  # a 16M-token prompt in 16-token blocks
 MAX_TOKENS: Final = 1 << 30

@@ -1,7 +1,7 @@
 """The ``policyd`` command line.
 
 Contract: building the parser (``policyd --help``, or any subcommand's parsing) imports only the
-standard library and light vocabulary (``policyd.names``, the workload and profile names); each
+standard library and light vocabulary (``policyd.core.names``, the workload and profile names); each
 handler imports what its command runs when it runs (``policyd bench-cli`` measures the start).
 The benchmarks and evaluations are named here only as module strings, imported by ``importlib``
 when their command runs: the package never imports them otherwise (tests/test_layers.py).
@@ -16,8 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from policyd import cli_bench, cli_daemon, cli_history
-from policyd.names import TRACE_FORMATS
+from policyd.cli import bench as cli_bench
+from policyd.cli import daemon as cli_daemon
+from policyd.cli import history as cli_history
+from policyd.core.names import TRACE_FORMATS
 from policyd.workloads import WORKLOADS
 
 if TYPE_CHECKING:
@@ -203,6 +205,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"policyd {args.command}: error: {exc}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -32,7 +32,7 @@ from typing import Final
 
 from river import linear_model, optim, preprocessing
 
-from policyd.types import HintValue
+from policyd.core.types import HintValue
 
 Features = dict[str, float]
 

@@ -19,7 +19,7 @@ import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from policyd.types import BLOCK_SIZE_TOKENS, HintValue
+from policyd.core.types import BLOCK_SIZE_TOKENS, HintValue
 
 ROOT_HASH = 0
 

@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from itertools import islice
 from typing import TYPE_CHECKING
 
-from policyd.state import Counters, EngineState, RequestState, WorkflowState
-from policyd.types import (
+from policyd.core.state import Counters, EngineState, RequestState, WorkflowState
+from policyd.core.types import (
     TIERS,
     Admit,
     AllBlocksCleared,
@@ -37,7 +37,7 @@ from policyd.types import (
 )
 
 if TYPE_CHECKING:
-    from policyd.policies.base import Policy
+    from policyd.core.policy import Policy
 
 __all__ = ["Clock", "Counters", "Engine", "EngineState", "RequestState", "WorkflowState"]
 

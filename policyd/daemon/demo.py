@@ -26,19 +26,19 @@ from typing import Any
 
 import msgspec
 
-from policyd.client import DaemonClient
+from policyd.core.client import DaemonClient
+from policyd.core.profiles import get_profile
+from policyd.core.types import EventBatch, PolicySnapshot
+from policyd.core.wire import Endpoints
 from policyd.daemon.server import RunningDaemon, start_daemon
 from policyd.daemon.settings import DaemonSettings
 from policyd.daemon.views import stats as daemon_stats
 from policyd.history import default_db_path
 from policyd.policies import make_policy
-from policyd.sim.profiles import get_profile
 from policyd.sim.replay import SimConfig, Simulator, simulate
 from policyd.sim.report import Report
-from policyd.types import EventBatch, PolicySnapshot
-from policyd.wire import Endpoints
-from policyd.workload import Workload
 from policyd.workloads import make_workload
+from policyd.workloads.calls import Workload
 
 GiB = 1024**3
 DEFAULT_WORKLOADS = ("fact-checking", "code-writing")

@@ -3,7 +3,7 @@
 
 Contract: importing this module costs nothing beyond the standard library and light vocabulary
 (the policy, workload and profile names): ``policyd --help`` builds this parser. The command
-itself is the benchmark module's ``command``, which policyd/cli.py imports when it runs.
+itself is the benchmark module's ``command``, which policyd/cli/__init__.py imports when it runs.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from policyd.arguments import fraction_list, int_at_least, int_list
-from policyd.names import POLICY_NAMES
-from policyd.sim.profiles import PROFILES
+from policyd.cli.arguments import fraction_list, int_at_least, int_list
+from policyd.core.names import POLICY_NAMES
+from policyd.core.profiles import PROFILES
 from policyd.tiers.gpu import DEFAULT_STEP_OPS
 from policyd.workloads import WORKLOADS
 

@@ -24,9 +24,22 @@ probabilities are trustworthy - so it is what agentkv ranks by while the predict
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
 
-from policyd.policies.kvflow import steps_from
+
+def steps_from(graph: Mapping[str, Iterable[str]], start: str) -> dict[str, int]:
+    """BFS distances from ``start`` to every agent reachable in at least one step (``start``
+    itself only if a cycle leads back to it). Unreachable agents are absent (infinite)."""
+    steps: dict[str, int] = {}
+    frontier: deque[tuple[str, int]] = deque((nxt, 1) for nxt in graph.get(start, ()))
+    while frontier:
+        agent, k = frontier.popleft()
+        if agent in steps:
+            continue
+        steps[agent] = k
+        frontier.extend((nxt, k + 1) for nxt in graph.get(agent, ()) if nxt not in steps)
+    return steps
 
 
 class StepGraph:

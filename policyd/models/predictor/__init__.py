@@ -84,8 +84,8 @@ def _choose_build() -> None:
         return
     if stale:
         warnings.warn(
-            f"policyd.predictor: {', '.join(stale)} changed since compiled: running the source "
-            "(recompile with AGENTKV_COMPILE=1 pip install -e .)",
+            f"policyd.models.predictor: {', '.join(stale)} changed since compiled: running the "
+            "source (recompile with AGENTKV_COMPILE=1 pip install -e .)",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -96,9 +96,9 @@ def _choose_build() -> None:
 
 _choose_build()
 
-from policyd.predictor import fusion  # noqa: E402
-from policyd.predictor.forecast import END, START, Forecast  # noqa: E402
-from policyd.predictor.fusion import MIN_BRANCH, Predictor  # noqa: E402
+from policyd.models.predictor import fusion  # noqa: E402
+from policyd.models.predictor.forecast import END, START, Forecast  # noqa: E402
+from policyd.models.predictor.fusion import MIN_BRANCH, Predictor  # noqa: E402
 
 # which build runs: "compiled" (Cython extension modules) or "interpreted" (the source)
 BUILD = "interpreted" if (fusion.__file__ or "").endswith(".py") else "compiled"

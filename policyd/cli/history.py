@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from policyd.arguments import int_at_least
+from policyd.cli.arguments import int_at_least
 
 if TYPE_CHECKING:
     from rich.console import Group
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from policyd.history.safe_sql import QueryResult
 
 # Contract: importing this module costs nothing beyond the standard library and
-# ``policyd.arguments`` (``policyd --help`` builds every parser); each handler imports DuckDB,
+# ``policyd.cli.arguments`` (``policyd --help`` builds every parser); each handler imports DuckDB,
 # Alembic or rich when it runs.
 
 EXIT_REFUSED: Final = 2  # the query was refused or failed

@@ -9,8 +9,9 @@ after which they are dropped and counted. A subscriber thread keeps the newest v
 ``PolicySnapshot``; ``snapshot(now)`` hands it out only while it is younger than its ``ttl_s``
 (by receive time on the client's clock), else ``None`` - the connector then falls back to LRU.
 
-This module imports only msgspec, pyzmq and the vocabulary (``policyd.types``, ``policyd.wire``):
-the vLLM connector loads it inside vLLM's processes. Every method is thread-safe.
+This module imports only msgspec, pyzmq and the vocabulary (``policyd.core.types``,
+``policyd.core.wire``): the vLLM connector loads it inside vLLM's processes. Every method is
+thread-safe.
 """
 
 from __future__ import annotations
@@ -24,8 +25,15 @@ from typing import Final
 
 import zmq
 
-from policyd.types import BATCH_CODEC, SNAPSHOT_CODEC, CodecError, Event, EventBatch, PolicySnapshot
-from policyd.wire import MAX_EVENTS_PER_BATCH, SNAPSHOT_TOPIC, Endpoints
+from policyd.core.types import (
+    BATCH_CODEC,
+    SNAPSHOT_CODEC,
+    CodecError,
+    Event,
+    EventBatch,
+    PolicySnapshot,
+)
+from policyd.core.wire import MAX_EVENTS_PER_BATCH, SNAPSHOT_TOPIC, Endpoints
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from river import drift, metrics, utils
 
-from policyd.predictor.forecast import END, Forecast
+from policyd.models.predictor.forecast import END, Forecast
 
 
 class Tracker:

@@ -9,8 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import Final
 
-from policyd.predictor.context import MAX_LOG, Features
-from policyd.predictor.forecast import END
+from policyd.models.predictor.context import MAX_LOG, Features
+from policyd.models.predictor.forecast import END
 
 RANKS: Final = 4  # recent distinct agents told apart (the copy expert's ranks)
 MAX_BUCKET: Final = 16  # call counts and positions past this share a one-hot feature

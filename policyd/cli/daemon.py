@@ -1,9 +1,9 @@
 """``policyd serve`` / ``policyd demo`` / ``policyd bench-ingest``: the daemon's subcommands.
 
 ``add_parsers(subparsers)`` declares them and ``COMMANDS`` maps each to its handler
-``(args, argv) -> exit code`` (``bench-ingest``'s, a benchmark's, is policyd/cli.py's);
-policyd/cli.py registers both. Contract: importing this module and building its parsers import
-neither the daemon nor the policies; a handler imports what it runs.
+``(args, argv) -> exit code`` (``bench-ingest``'s, a benchmark's, is policyd/cli/__init__.py's);
+policyd/cli/__init__.py registers both. Contract: importing this module and building its parsers
+import neither the daemon nor the policies; a handler imports what it runs.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from policyd.names import ONLINE_POLICY_NAMES
+from policyd.core.names import ONLINE_POLICY_NAMES
 from policyd.workloads import WORKLOADS
 
 Handler = Callable[[argparse.Namespace, Sequence[str]], int]
@@ -176,7 +176,7 @@ def _serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def _demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from policyd.demo import demo_main  # noqa: PLC0415 - see the module's contract
+    from policyd.daemon.demo import demo_main  # noqa: PLC0415 - see the module's contract
 
     return demo_main(args, argv)
 

@@ -18,9 +18,9 @@ rates >= 0.05 and fixed size, and is a wash at rate 0.01 (``policyd eval-mrc``).
 distance, but the estimator sees only a prompt's sampled blocks: it takes the running maximum of
 their scaled distances from the prompt's head. That is exact when distances never decrease toward
 the tail, which holds for chained block hashes, for the sampled distances too (proof in
-``policyd.stackdist``), and is checked on every benchmark trace (0 violations). Where it fails
-(ids that are not chained prefixes), unsampled blocks between two sampled ones may cut a leading
-run earlier than the estimate sees.
+``policyd.models.stackdist``), and is checked on every benchmark trace (0 violations). Where it
+fails (ids that are not chained prefixes), unsampled blocks between two sampled ones may cut a
+leading run earlier than the estimate sees.
 
 *The histogram* is ``DistanceHistogram``, ours rather than River's ``sketch.Histogram``: SHARDS
 needs weighted updates (``1 / R``) and a signed correction of the first bucket, which River's
@@ -39,8 +39,8 @@ from typing import Final
 import numpy as np
 from numpy.typing import NDArray
 
-from policyd.mrc import MissRatioCurve
-from policyd.stackdist import StackDistance
+from policyd.models.mrc import MissRatioCurve
+from policyd.models.stackdist import StackDistance
 
 _HASH_SPACE: Final = 2**64
 _U64: Final = _HASH_SPACE - 1

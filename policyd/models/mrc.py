@@ -1,14 +1,14 @@
 """Miss-ratio curves of EfficientAgent's host tier, and host-tier sizing from them.
 
-*The curve.* With the reference stream and effective distances of ``policyd.stackdist``, an LRU
-tier of ``C`` blocks serves ``hits(C)`` = the references whose effective distance is ``< C``
+*The curve.* With the reference stream and effective distances of ``policyd.models.stackdist``, an
+LRU tier of ``C`` blocks serves ``hits(C)`` = the references whose effective distance is ``< C``
 (each prompt's leading run). EfficientAgent's two tiers: a GPU tier of ``G`` blocks and an
 inclusive, write-through host tier of ``H`` blocks, both LRU, so a block is host-resident iff its
 distance is ``< H``; a prompt's host hit is its leading run for ``max(G, H)`` minus its leading
 run for ``G``. ``MissRatioCurve`` answers both, as block hit ratios and recomputed prompt tokens
 (prompt tokens minus 16 x hit blocks), for capacities in blocks or GiB. It is built exactly from
 distances (``MissRatioCurve.exact``) or from a histogram (``from_histogram``: the online estimate
-of ``policyd.shards``).
+of ``policyd.models.shards``).
 
 *Sizing* (``recommend``): the achievable reuse (hits at infinite capacity), the working set (the
 smallest capacity reaching it), the capacities reaching 50/80/90/95% of it, the closed-form check
@@ -26,8 +26,8 @@ from typing import Final
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from policyd.stackdist import COLD, ReferenceStream, effective_distances, stack_distances
-from policyd.types import BLOCK_SIZE_TOKENS
+from policyd.core.types import BLOCK_SIZE_TOKENS
+from policyd.models.stackdist import COLD, ReferenceStream, effective_distances, stack_distances
 
 GiB: Final = 1024**3
 COVERAGE_LEVELS: Final = (0.5, 0.8, 0.9, 0.95)
@@ -41,7 +41,7 @@ class MissRatioCurve:
     constant after the last; exact curves have a knot at every integer capacity, estimated ones at
     histogram bucket edges (weight spread evenly over a bucket). Counts are in references.
 
-    >>> from policyd.stackdist import ReferenceStream
+    >>> from policyd.models.stackdist import ReferenceStream
     >>> stream = ReferenceStream.from_prompts([((1, 2, 3), 50), ((1, 2, 3, 4), 70)])
     >>> curve = MissRatioCurve.of_stream(stream, kv_bytes_per_block=2**21)
     >>> curve.hit_ratio([3, 4]).round(3).tolist()  # the second prompt's 3 blocks, at distance 3
@@ -112,7 +112,7 @@ class MissRatioCurve:
         kv_bytes_per_block: int,
         label: str = "exact",
     ) -> MissRatioCurve:
-        """From every reference's effective distance (``policyd.stackdist``)."""
+        """From every reference's effective distance (``policyd.models.stackdist``)."""
         finite = effective[effective != COLD]
         counts = np.bincount(finite) if finite.size else np.zeros(0, dtype=np.int64)
         hit_counts = np.concatenate(([0.0], np.cumsum(counts, dtype=np.float64)))

@@ -43,13 +43,13 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
 
-from policyd.predictor.backoff import BackoffClassifier, Counts, Keys
-from policyd.predictor.context import ContextModel, Features, split_hints
-from policyd.predictor.forecast import END, START, Forecast, random_forecast
-from policyd.predictor.mixture import Mixture
-from policyd.predictor.position import RANKS, PathFeatures, Position, counted_features
-from policyd.predictor.tracking import Tracker
-from policyd.types import HintValue
+from policyd.core.types import HintValue
+from policyd.models.predictor.backoff import BackoffClassifier, Counts, Keys
+from policyd.models.predictor.context import ContextModel, Features, split_hints
+from policyd.models.predictor.forecast import END, START, Forecast, random_forecast
+from policyd.models.predictor.mixture import Mixture
+from policyd.models.predictor.position import RANKS, PathFeatures, Position, counted_features
+from policyd.models.predictor.tracking import Tracker
 
 EXPERTS = ("markov", "copy", "context")
 MIN_BRANCH = 0.05  # the roll-out's default branching floor (``Predictor``'s ``min_branch``)

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar, Literal
 
-from policyd.state import EngineState
-from policyd.types import Admit, Event, PolicySnapshot, Tier
+from policyd.core.state import EngineState
+from policyd.core.types import Admit, Event, PolicySnapshot, Tier
 
 Ordering = Literal["recency", "snapshot", "oracle"]
 

@@ -29,7 +29,7 @@ equal distances. Proof: take blocks ``a`` before ``b`` in a prompt. Every earlie
 older than ``a``'s; now ``b`` is referenced before ``a``. The window since ``a``'s previous
 reference adds ``b`` and the blocks between them to the window of ``b`` minus ``a``, all of which
 ``b``'s window already counts (with ``a`` itself). The same argument holds for the distances among
-any subset of blocks, hence for a spatially sampled stream (``policyd.mrc``).
+any subset of blocks, hence for a spatially sampled stream (``policyd.models.mrc``).
 ``monotone_violations`` counts the exceptions in a trace (0 for every chained workload).
 """
 
@@ -43,7 +43,7 @@ import numba
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from policyd.workload import Call
+from policyd.workloads.calls import Call
 
 COLD: Final = int(np.iinfo(np.int64).max)  # distance of a first reference: misses at any size
 

@@ -19,8 +19,8 @@ from itertools import repeat
 from operator import mul, truediv
 from typing import Protocol
 
-from policyd.predictor.forecast import END, Forecast
-from policyd.predictor.position import Position
+from policyd.models.predictor.forecast import END, Forecast
+from policyd.models.predictor.position import Position
 
 
 class OneStep(Protocol):
