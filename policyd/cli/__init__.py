@@ -204,4 +204,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"policyd {args.command}: error: {exc}", file=sys.stderr)
         return 2
-
