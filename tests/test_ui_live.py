@@ -1,8 +1,8 @@
 """Every dashboard page against a real daemon holding real replay data: ``policyd demo``'s
 replay of generated fact-checking and code-writing workflows through the real wire, history and
-HTTP API, plus a few workflows left mid-flight (ui/demo.py). Streamlit AppTest checks each page's
-content against what the daemon reports; the slow test renders every page in headless Chromium
-and checks that the images are not blank and show their charts."""
+HTTP API, plus a few workflows left mid-flight (experiments/ui_demo.py). Streamlit AppTest checks
+each page's content against what the daemon reports; the slow test renders every page in headless
+Chromium and checks that the images are not blank and show their charts."""
 
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ import pyarrow as pa  # type: ignore[import-untyped]
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from experiments import screenshots
+from experiments.ui_demo import start_live_daemon
 from policyd.daemon.demo import DemoRun
 from policyd.daemon.server import start_daemon
 from policyd.daemon.settings import DaemonSettings
-from ui import charts, screenshots
+from ui import charts
 from ui.client import Client, DaemonRejectedError
-from ui.demo import start_live_daemon
 from ui.views.sql import EXAMPLES
 
 APP = Path(__file__).resolve().parents[1] / "ui" / "app.py"

@@ -61,6 +61,10 @@ OWN_PARSERS: dict[str, tuple[str, str]] = {
         "policyd.sim.engine_check",
         "the simulator against a recorded vLLM engine run (connector.replay --record)",
     ),
+    "screenshots": (
+        "experiments.screenshots",
+        "every dashboard page in headless Chromium, checked not blank",
+    ),
     "matrix": (
         "experiments.matrix",
         "agentkv against every baseline and the bound on every workload",

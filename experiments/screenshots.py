@@ -1,6 +1,6 @@
 """Screenshots of every dashboard page in headless Chromium, and a check that they are not blank.
 
-``python -m ui.screenshots --api http://127.0.0.1:8470 --out docs/ui`` starts ``streamlit run
+``policyd screenshots --api http://127.0.0.1:8470 --out docs/ui`` starts ``streamlit run
 ui/app.py`` on a free port, waits for ``/_stcore/health``, and has Debian's ``chromium``, driven
 through Playwright, load each page and save ``<out>/<page>.png`` once the page is done: Streamlit
 marks its app element ``data-test-script-state="notRunning"`` when the page's script has finished,
@@ -33,7 +33,7 @@ from PIL import Image
 from playwright.sync_api import Browser, Page, sync_playwright
 from playwright.sync_api import Error as PlaywrightError
 
-from ui.demo import start_live_daemon
+from experiments.ui_demo import start_live_daemon
 from ui.views import PAGES
 
 APP: Final = Path(__file__).resolve().parent / "app.py"
@@ -248,7 +248,9 @@ def capture_all(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="policyd screenshots", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--api", default=os.environ.get("POLICYD_API_URL", "http://127.0.0.1:8470"))
     parser.add_argument("--token", default=os.environ.get("POLICYD_API_TOKEN"))
     parser.add_argument("--out", type=Path, default=Path("docs/ui"))
@@ -256,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--demo",
         action="store_true",
-        help="start a daemon with replay data first (ui/demo.py) instead of using --api",
+        help="start a daemon with replay data first (experiments/ui_demo.py), not --api",
     )
     parser.add_argument("--workflows", type=int, default=24, help="--demo: workflows replayed")
     parser.add_argument("--seconds", type=float, default=30.0, help="--demo: replay wall time")
