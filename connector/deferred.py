@@ -8,10 +8,10 @@ emit reaches the daemon in the order vLLM's hooks saw it. A job that raises lose
 tests' setting.
 
 Waking a sleeping thread is a system call and, on a virtual machine, an interrupt to another
-CPU: the costliest part of a hand-off, more than the hook it served (docs/RESULTS.md). So
-``submit`` only appends to a deque, and this thread wakes by itself every ``POLL_S`` while
-idle: a job waits at most that long, and vLLM's thread never pays for a wake-up. ``flush``
-and ``close`` wake it at once.
+CPU: the costliest part of a hand-off (docs/RESULTS.md, *The connector's time per scheduler
+step*). So ``submit`` only appends to a deque, and this thread wakes by itself every
+``POLL_S`` while idle: a job waits at most that long, and vLLM's thread never pays for a
+wake-up. ``flush`` and ``close`` wake it at once.
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ def block_hash_int(digest: bytes) -> int:
 
 def block_hash_ints(digests: Sequence[bytes]) -> tuple[int, ...]:
     """The wire hashes of a request's digests, in order. One C-level unpack when the digests
-    have one length (one hash function, as in vLLM), about 7x cheaper than per digest: this runs
-    on vLLM's thread for every request.
+    have one length (one hash function, as in vLLM), else one conversion per digest: this
+    runs on vLLM's thread for every request.
 
     >>> block_hash_ints([bytes(range(32)), bytes(32)])
     (283686952306183, 0)

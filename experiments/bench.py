@@ -52,8 +52,8 @@ def policy_variant(label: str) -> tuple[str, dict[str, object]]:
     run side by side with the default (its label is the whole text). Values are read as int,
     float, true/false, or else text.
 
-    >>> policy_variant("agentkv[referee=virtual,referee_window=128]")
-    ('agentkv', {'referee': 'virtual', 'referee_window': 128})
+    >>> policy_variant("agentkv[guard=false,discount=0.5]")
+    ('agentkv', {'guard': False, 'discount': 0.5})
     """
     name, bracket, rest = label.partition("[")
     if name not in POLICIES:

@@ -17,8 +17,7 @@ sized to the working set cuts recomputed prompt tokens 93% and end-to-end time 3
 tier); with a small fixed tier the filter cuts recomputation 35% (vs write-all); with a large tier
 conditioned admission avoids the 4.3x blow-up of always filtering. They are printed beside ours.
 
-Run ``policyd eval-efficientagent`` (tens of minutes on 2 busy cores; ``--limit`` for a
-quicker look).
+Run ``policyd eval-efficientagent`` (a long run: ``--limit`` for a quicker look).
 """
 
 from __future__ import annotations

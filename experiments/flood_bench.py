@@ -13,7 +13,8 @@ flood of requests that never finish (issue #32, point 3), side by side.
 
 The figures: p50 / p99 / max of each phase, the ratio of the p99s, the daemon's RSS (with its
 history process) and what its state holds (active workflows, running requests). No threshold
-is checked here: the command prints figures (docs/DAEMON.md records a run).
+is checked here: the command prints figures (docs/DAEMON.md, *Requests that never finish*,
+reports them).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
 * snapshot latency: publish (the snapshot's ``ts``, the daemon's CLOCK_MONOTONIC, shared by
   processes on one Linux host) -> receive by a SUB socket here;
 * HTTP decision latency of ``POST /api/decide/evict``: with a raw keep-alive ``http.client``
-  connection and with ``httpx`` (which adds ~1 ms per call);
+  connection and with ``httpx`` (the client's own cost included);
 * the daemon's RSS before and after, its history process's included (``/proc/<pid>/status``).
 
 Figures are printed with their ratio to the targets and the command that reproduces them.

@@ -20,7 +20,8 @@ MAE is the same for a host tier behind the profile's GPU tier. *Cost* is the wal
 machine at hand, so it moves with its load; the hash filter is vectorised per prompt, only
 sampled blocks reach Python code).
 
-Run ``policyd eval-mrc`` (about two minutes); ``--plot docs/figures/mrc.png`` draws the curves.
+Run ``policyd eval-mrc``; ``--plot docs/figures/mrc_eval.png`` draws the curves (the figure
+docs/RESULTS.md, *Stack distances, MRC and SHARDS sizing*, shows).
 """
 
 from __future__ import annotations

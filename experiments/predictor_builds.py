@@ -8,8 +8,8 @@ compiled and once with ``AGENTKV_INTERPRETED=1`` (the same files, the source run
 alternating the builds' order from round to round. Each run reports its cost per call in units
 of a reference loop timed beside it (see ``predictor_eval``); a build's figure is the median
 over its rounds, and the ratio compares the two builds' figures from the same run of this
-command. The forecasts' SHA-256 must be the same for both builds: the compiled build is only
-faster, never different.
+command. The forecasts' SHA-256 must be the same for both builds and every round: the command
+exits 1 naming the workloads where they differ.
 
 Run ``python -m experiments.predictor_builds DIR`` (``--help`` for the knobs).
 """

@@ -14,7 +14,8 @@ One sender, one source for valid traffic: ``--frames-per-s`` frames a second, of
 Valid traffic is whole workflows (three requests: start, prefix hit, blocks stored, finish; then
 the workflow's end and its blocks removed), so what the daemon holds stays bounded and RSS
 should stay flat. At the end it waits for the backlog, then compares the daemon's counters with
-what was sent. ``--seconds`` sets the duration (600: the figures in docs/DAEMON.md).
+what was sent. ``--seconds`` sets the duration (600 by default; docs/DAEMON.md, *Fault and fuzz
+suite, soak*, reports such runs).
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@
 ``LruQueue`` is vLLM's free-block queue (freed blocks to the tail, evicted from the head);
 ``KeyedQueue`` orders by a key evaluated when a block is pushed (a policy's score), recency
 breaking ties. Both satisfy ``EvictionQueue``. No dependency on the rest of AgentKV: the
-simulator's tiers (policyd.sim.cache) and the policies that keep a virtual cache
-(policyd.policies.virtual) both use them.
+simulator's tiers (policyd.sim.cache) use them.
 """
 
 from __future__ import annotations

@@ -3,13 +3,13 @@
 Senders are never blocked: the receiver thread takes every frame off the socket as fast as it
 arrives and queues it as received; the engine worker decodes it when it takes it (a malformed
 frame - truncated, wrong protocol version, wrong types - is counted and dropped then, one too
-large already by the receiver; the daemon keeps serving). The receiver's work per frame is the
-same however far behind the worker is: when it decoded (and sampled) every frame itself, an
-overload gave it more of the interpreter lock the further behind the Engine was, and at 700k
-block events/s offered the Engine applied ~270-370k (receive livelock; Mogul & Ramakrishnan,
-"Eliminating receive livelock in an interrupt-driven kernel", 1997). A queued backlog is bytes,
-not Python objects, and a frame is applied right after it is decoded. Overload is handled as
-frames are taken, before the Engine, by the depth behind them:
+large already by the receiver; the daemon keeps serving). The receiver's work per frame is a
+socket read and an append, the same however far behind the worker is, so an overload cannot
+take the interpreter lock from the Engine in proportion to the backlog (receive livelock; Mogul
+& Ramakrishnan, "Eliminating receive livelock in an interrupt-driven kernel", 1997;
+docs/DAEMON.md, *Overload*). A queued backlog is bytes, not Python objects, and a frame is
+applied right after it is decoded. Overload is handled as frames are taken, before the Engine,
+by the depth behind them:
 
 * above ``shed_above_frames`` queued batches, block stores (BlocksStored / BlocksLoaded events,
   whole) are kept with a probability that falls linearly to 0 at ``max_frames``; removals
@@ -98,9 +98,9 @@ def shed(batch: EventBatch, rate: float) -> Shed:
 
     Removing a block the Engine was not told of is a no-op, so whatever is shed the Engine's
     resident blocks stay a subset of what the tiers hold - no block is believed cached after
-    it was evicted. A decision per event, not per hash, costs a multiplication per event: a
-    per-hash sample (flags, and a rebuilt event when some hashes pass) cost about as much CPU
-    as applying the blocks, so under overload it took from the Engine as much as it saved."""
+    it was evicted. A decision per event, not per hash, costs a multiplication per event and
+    never rebuilds an event, so under overload shedding stays cheap beside the Engine's work it
+    saves."""
     if rate >= 1.0:
         return Shed(batch, 0, 0)
     threshold = int(rate * 2.0**64)

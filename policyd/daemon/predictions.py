@@ -23,7 +23,7 @@ from policyd.models.predictor import END, Forecast, Predictor
 MAX_WORKFLOWS: Final = 100_000
 MIN_FORECAST_INTERVAL_S: Final = 0.2  # per workflow: faster call bursts are logged sampled
 # all workflows together (a token bucket, one second's worth of burst): past it calls are logged
-# sampled - each logged forecast is a K-step roll-out (~0.1-0.2 ms of the Engine's thread)
+# sampled - each logged forecast is a K-step roll-out on the Engine's thread
 MAX_FORECASTS_PER_S: Final = 100.0
 TOP_AGENTS: Final = 5
 

@@ -11,8 +11,7 @@ threshold drop). The hash filter is vectorised per prompt: only sampled blocks r
 *Count correction* (SHARDS_adj): the weights sum to a sampled estimate of the reference count,
 which misses the true count ``N`` when a few hot blocks (the shared system prompt) are over- or
 under-sampled; the difference is added to the first bucket (distance 0). Without it the histogram
-is normalised by its own total, as plain SHARDS does. On the SWE-bench pools it lowers the MAE at
-rates >= 0.05 and fixed size, and is a wash at rate 0.01 (``policyd eval-mrc``).
+is normalised by its own total, as plain SHARDS does (``count_correction=False``).
 
 *Prefix hits from sampled blocks.* The curve needs each reference's effective (leading-run)
 distance, but the estimator sees only a prompt's sampled blocks: it takes the running maximum of

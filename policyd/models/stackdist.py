@@ -11,9 +11,8 @@ slot. When the slots run out, the live marks are renumbered in order (compaction
 timeline doubles only if more than half of it is live, so it has at most ``4 x M`` slots for ``M``
 distinct blocks: O(log M) per reference, O(M) memory, O(N log M) for a trace. ``stack_distances``
 runs it compiled (numba, an open-addressing table from block to slot: no sort of the trace) over
-whole traces, ~0.3 µs per reference on the SWE-bench pools; ``StackDistance`` is the same
-algorithm, incremental (a dict from block to slot), for the live daemon, and ``remove`` lets a
-sampler drop blocks.
+whole traces; ``StackDistance`` is the same algorithm, incremental (a dict from block to slot),
+for the live daemon, and ``remove`` lets a sampler drop blocks.
 
 *Prefix semantics.* vLLM uses a block only if every earlier block of its prompt is usable, so a
 prompt's hit in a tier of ``C`` blocks is the *leading run* (from the head) of blocks with

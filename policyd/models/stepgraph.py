@@ -5,10 +5,8 @@ graph is the set of agent -> agent transitions observed so far (a workflow's con
 the calls of a fan-out included). Steps from where a workflow stands (its last called agent and
 the agents it is running) are BFS distances. A fan-out's calls chain here (income -> balance ->
 cashflow) where KVFlow's graph for the financial crew has each one step from the others; while
-they run, all of them are positions, so their distances are the same. (Learning the fan-out as
-one step - a call made while another of its workflow runs takes its edges from the step before -
-gives KVFlow's graph exactly; it was measured and not kept: the same hit rates on ten seeds of
-code-writing and financial, the mixed workload -0.6% to +0.2%, docs/RESULTS.md.)
+they run, all of them are positions, so their distances are the same. A fan-out is not learned
+as one step (docs/RESULTS.md, *Tried and not adopted*).
 
 Why: the structure is learned from a handful of workflows - far sooner than the predictor's
 probabilities are trustworthy - so it is what agentkv ranks by while the predictor is degraded

@@ -8,7 +8,7 @@ takes at most half of a step's budget first, then the GPU plan what is left, the
 anything still unused, so neither starves the other. ``adopt`` starts a new snapshot's plan,
 hands the view to the host order once the plan's recount is done, and charges the adopting
 step ``ADOPT_COST_OPS`` (a view refreshed, an old plan dropped, a new one started, its first
-work on cold caches: 50-100 us on vLLM's thread). The connector (``GpuTier``) and the simulator
+work on cold caches; connector.bench_step times it). The connector (``GpuTier``) and the simulator
 (``Simulator._step_plan``) both run it, at the same points and in the same batches of
 ``BATCH_OPS`` operations, so they stay in step.
 

@@ -46,17 +46,17 @@ H = TypeVar("H")
 
 # The connector's default caps (kv_connector_extra_config agentkv_max_pinned_blocks /
 # agentkv_max_ranked_blocks override them; the simulator's SimConfig takes the same two).
-# Pins hold memory, so theirs is a share of the pool; they changed the hit rate by under 1% in
-# every measurement (docs/RESULTS.md). Ranking costs a pool operation per block, so its cap is a
-# count; how much of it lands before the next snapshot is the step budget's business.
+# Pins hold memory, so theirs is a share of the pool. Ranking costs a pool operation per block, so
+# its cap is a count; how much of it lands before the next snapshot is the step budget's business
+# (docs/RESULTS.md, *The GPU mechanism, chosen by measurement*).
 DEFAULT_PIN_FRACTION: Final = 0.01
 DEFAULT_MAX_RANKED_BLOCKS: Final = 2048
 # Plan operations per vLLM scheduler step, performed at its prefix lookups (just before vLLM
 # allocates for a request, the moment the free queue's order is used; agentkv_step_ops, the
 # simulator's SimConfig.step_ops, per scheduling round), shared with the host order's re-keying
-# (policyd.tiers.budget). An operation costs about 5 us on vLLM's thread beside a 40,000-block
-# pool and a 65,536-block host tier (connector.bench_step: p99 197-210 us a step at 12, 210-215
-# at 16, 260-310 at 24 and 32: 12 is the most the 200 us budget allows).
+# (policyd.tiers.budget). The default is the most operations a step can take with its p99 within
+# the connector's 200 us budget (connector.bench_step checks it; docs/RESULTS.md, *The
+# connector's time per scheduler step*).
 DEFAULT_STEP_OPS: Final = 12
 
 MAX_HELD_RETIRED: Final = 4096  # retired blocks kept for the next plan while a request holds them

@@ -7,15 +7,16 @@ snapshot the priority of a key is ``(retired ? 0 : staged ? 2 : 1, score, recenc
 score from the snapshot's host order (``host_scores``) when it gives one, else its ``scores``.
 
 Evictable keys sit in a lazy min-heap keyed by that priority; every call is O(log n) but one:
-a new snapshot changes every key's priority, and re-keying a host tier of 65,536 blocks at once
-takes tens of milliseconds. So ``set_view`` is O(1) and the re-keying is a *walk* over the
-evictable keys, ``REKEY_CHUNK`` keys per unit of work, performed by ``rekey(units)`` within the
-connector's per-step budget (the simulator calls it at the same points). A key the walk has not
-reached keeps its previous priority; one inserted or touched meanwhile gets the new one. Stale
-heap entries (a key re-keyed or touched leaves its old one behind) are dropped by a compaction
-pass of the same kind, which builds a fresh heap beside the live one and swaps it in; the old
-heap goes to ``release`` (the connector frees it off vLLM's thread). ``evict`` is atomic:
-``None`` and no change when it cannot take exactly ``n`` unprotected keys.
+a new snapshot changes every key's priority, and re-keying every key at once takes time in
+proportion to the tier, more than a scheduler step can afford on a large one. So ``set_view`` is
+O(1) and the re-keying is a *walk* over the evictable keys, ``REKEY_CHUNK`` keys per unit of
+work, performed by ``rekey(units)`` within the connector's per-step budget (the simulator calls
+it at the same points). A key the walk has not reached keeps its previous priority; one inserted
+or touched meanwhile gets the new one. Stale heap entries (a key re-keyed or touched leaves its
+old one behind) are dropped by a compaction pass of the same kind, which builds a fresh heap
+beside the live one and swaps it in; the old heap goes to ``release`` (the connector frees it
+off vLLM's thread). ``evict`` is atomic: ``None`` and no change when it cannot take exactly
+``n`` unprotected keys.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ class HostOrder(Generic[K]):
         self._next_heap: list[tuple[Priority, K]] | None = None
         self._cursor = 0
         self._owed = False
-        # what becomes of a heap a compaction replaced: freeing tens of thousands of entries
-        # is the costliest thing here, so the connector hands it to a thread of its own
+        # what becomes of a heap a compaction replaced: freeing it is O(n), the costliest thing
+        # here, so the connector hands it to a thread of its own
         # (``ConnectorRuntime.release``); by default it is dropped at once
         self.release: Callable[[list[tuple[Priority, K]]], None] = _drop
 

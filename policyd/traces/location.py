@@ -1,6 +1,6 @@
 """Where the public traces are on this machine.
 
-The repository ships no real trace (docs/RESULTS.md names each one's public source). Commands
+The repository ships no real trace (docs/BENCHMARKS.md names each one's public source). Commands
 and tests find a local copy through ``AGENTKV_TRACES``, a folder holding them under their
 published names, else in the folder ``policyd trace get NAME`` fills by default
 (``CACHE_DIR``); a command also takes an explicit path.

@@ -8,14 +8,14 @@ and its output is that message, which the next prompt repeats.
 
 *Tokens.* Messages are counted with cl100k (``tokens.py``, ChatML markers included), then
 calibrated per trajectory to the model's own counts: ``f`` = recorded ``usage.prompt_tokens``
-over cl100k prompt tokens, summed over the calls that have usage (Gemini 3 Pro: f 1.02-1.27,
-1.165 on average over the 200-task run). Message ``m`` gets ``round(f*C[m+1]) - round(f*C[m])``
-tokens, ``C`` the cumulative cl100k count, so call k's ``prompt_tokens`` is ``round(f*C[k])``:
-within 0.6% of the recorded count for the median call, 3.2% at p90, 18% at worst. No per-call fit
-is exact: the recorded counts are not a function of the history (in 73 of 7,851 calls the recorded
-prompt shrinks although messages were appended). Blocks come from ``PromptBuilder`` segments
-named by each message's content digest, so equal messages at equal positions share blocks (the
-system prompt across tasks) and no token list is materialised.
+over cl100k prompt tokens, summed over the calls that have usage. Message ``m`` gets
+``round(f*C[m+1]) - round(f*C[m])`` tokens, ``C`` the cumulative cl100k count, so call k's
+``prompt_tokens`` is ``round(f*C[k])``: summed over the calls with usage, calibrated and recorded
+counts agree up to rounding (docs/RESULTS.md, *Workloads and traces*, gives the factors and the
+per-call error). No per-call fit is exact: the recorded counts are not a function of the history
+(in some calls the recorded prompt shrinks although messages were appended). Blocks come from
+``PromptBuilder`` segments named by each message's content digest, so equal messages at equal
+positions share blocks (the system prompt across tasks) and no token list is materialised.
 
 *Outputs.* ``output_tokens`` is the recorded ``completion_tokens`` (hidden reasoning included:
 that is the decode work), else the message's calibrated count. ``output_block_hashes`` are the

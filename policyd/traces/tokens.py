@@ -64,7 +64,7 @@ def _bundled_vocabulary() -> Path:
 
 @functools.cache
 def cl100k() -> tiktoken.Encoding:
-    """The ``cl100k_base`` encoding from the bundled vocabulary (loaded once, ~0.5 s)."""
+    """The ``cl100k_base`` encoding from the bundled vocabulary (read and checked once)."""
     path = _bundled_vocabulary()
     data = path.read_bytes()
     if hashlib.sha256(data).hexdigest() != CL100K_SHA256:

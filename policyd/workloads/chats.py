@@ -10,7 +10,8 @@ are log-normal; the transcript grows by every message until ``max_prompt_tokens`
 
 Why it matters: an LRU keeps the transcript of whoever spoke last, which in a routed chat is
 usually who speaks next-but-one (the orchestrator); a ranking that spreads the cache over all
-agents of a chat can lose to it. docs/RESULTS.md, *The recency guard*, measures it.
+agents of a chat can lose to it (docs/RESULTS.md, *The recency guard: never behind vLLM's
+default*).
 
 >>> w = group_chat(seed=1, chats=2, min_calls=6, max_calls=6)
 >>> [c.agent for c in w.streams[0]][:4]

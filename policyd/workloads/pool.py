@@ -6,10 +6,11 @@ tool's observation. A task runs 20-150 calls and its prompt grows to 20-100k tok
 between calls is heavy-tailed. The number of agents running at once is the simulator's
 ``concurrency``: with A agents the reuse working set is about (A - 1) prompts.
 
-Shapes (modelled, in line with the 200 mini-swe-agent SWE-bench trajectories in
-``shared/traces``: ~40 calls per task, ~16k prompt tokens per call on average): steps log-normal
-with median 36 clipped to [20, 150]; outputs median 160 tokens; observations median 200 tokens,
-sigma 1.3 (a long test log now and then); tool time median 1.5 s, sigma 1.3, up to 5 minutes.
+Shapes (modelled, in line with the 200 mini-swe-agent SWE-bench trajectories of ``policyd trace
+get``, whose README gives ~40 calls per task and ~16.5k prompt tokens per call on average): steps
+log-normal with median 36 clipped to [20, 150]; outputs median 160 tokens; observations median
+200 tokens, sigma 1.3 (a long test log now and then); tool time median 1.5 s, sigma 1.3, up to 5
+minutes.
 """
 
 from __future__ import annotations

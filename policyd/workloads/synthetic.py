@@ -1,4 +1,4 @@
-"""A seeded synthetic multi-agent workload, the stand-in until the PBKV generators land.
+"""A seeded synthetic multi-agent workload: each workflow's agents follow a Markov chain.
 
 Each workflow is a task (its shared context) worked on by agents chosen by a Markov chain. An
 agent's prompt is its system prompt (shared by every workflow that calls it), the task, then its
