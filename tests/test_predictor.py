@@ -29,10 +29,19 @@ from policyd.models.predictor import (
     backoff,
     context,
     fusion,
+    kinds,
+    learning,
     mixture,
+    nodes,
+    onestep,
+    parts,
     position,
+    restore,
     rollout,
+    scoring,
+    serving,
     tracking,
+    workflows,
 )
 from policyd.models.predictor import forecast as forecast_module
 from policyd.models.predictor.backoff import BackoffClassifier
@@ -89,8 +98,17 @@ def check_forecast(forecast: Forecast, k: int, aliased: bool = False) -> None:
         context,
         mixture,
         position,
+        nodes,
+        kinds,
+        workflows,
+        onestep,
+        learning,
         rollout,
         tracking,
+        scoring,
+        serving,
+        parts,
+        restore,
         fusion,
         predictor_eval,
     ],
@@ -475,7 +493,7 @@ def test_work_per_forecast_is_bounded_by_the_beam() -> None:
             assert predictor.stats()["evaluations"] == evaluations
         predictor.observe_call(call.workflow_id, call.workflow_type, call.agent, call.hints, 0.0)
     assert 1 < most <= bound
-    assert len(predictor._type("code-writing").structures) <= 50
+    assert len(predictor._types.model("code-writing").structures) <= 50
     for i in range(30):  # more active workflows than remembered: the oldest are forgotten
         predictor.observe_call(f"extra{i}", "code-writing", "planner", {}, 0.0)
     assert predictor.stats()["active"] <= 20
@@ -511,7 +529,7 @@ def test_the_path_cache_changes_no_forecast() -> None:
     cached, uncached = Predictor(k=3), Predictor(k=3, max_paths=0)
     events = list(interleave(fact_checking(seed=4, workflows=60), 8))
     _replay_side_by_side(cached, uncached, events)
-    assert cached._type("fact-checking").context.version > 100  # the weights did change
+    assert cached._types.model("fact-checking").context.version > 100  # the weights did change
 
 
 def test_the_name_and_feature_caches_change_no_forecast() -> None:
@@ -523,12 +541,12 @@ def test_the_name_and_feature_caches_change_no_forecast() -> None:
     events += list(interleave(fact_checking(seed=6, workflows=50), 8))
 
     def empty_caches(predictor: Predictor) -> None:
-        predictor._path._parts.clear()
+        predictor._one_step.path._parts.clear()
         for model in predictor._types.values():
             model.context._crossed.clear()
 
     _replay_side_by_side(kept, emptied, events, before_each=empty_caches)
-    assert kept._path._parts and all(m.context._crossed for m in kept._types.values())
+    assert kept._one_step.path._parts and all(m.context._crossed for m in kept._types.values())
     # a refreshed position reuses its context keys: they are the ones its contexts give
     for model in kept._types.values():
         for structure in model.structures.values():

@@ -38,20 +38,18 @@ def test_inlined_rollout_forecasts_as_the_reference_rollout() -> None:
     for call, pos, ended in events:
         wid = call.workflow_id
         if pos:
-            workflow = predictor._workflows[wid]
-            position = workflow.position
-            hints = predictor._hints(position, predictor._type(position.kind).context)
-            node = predictor._evaluate(position, hints)
+            position = predictor._workflows[wid].position
+            hints, node = predictor._one_step.at(position)
             reference = rollout.rollout(
                 position,
                 node,
-                lambda child, hints=hints: predictor._evaluate(child, hints),  # type: ignore[misc]
+                lambda child, hints=hints: predictor._one_step.evaluate(child, hints),  # type: ignore[misc]
                 k=predictor.k,
                 beam=predictor.beam,
                 min_branch=predictor.min_branch,
                 order=predictor.order,
             )
-            assert predictor._rollout(position, node, hints) == reference
+            assert predictor._rollout.forecast(position, node, hints) == reference
             compared += 1
             predictor.predict(wid)
         if ended:
@@ -289,18 +287,11 @@ def test_without_unserved_roll_outs_step_one_still_scores_every_position() -> No
     for serve_every in (0, 7):
         daemon = Predictor(k=3, roll_out_unserved=False)
         asked = _replay(daemon, events, serve_every)
-        assert daemon._forecasts <= asked  # only what was asked for is rolled out
+        assert daemon.stats()["forecasts"] <= asked  # only what was asked for is rolled out
         assert daemon.tracker.checked[0] == plain.tracker.checked[0]
         if serve_every:
             assert 0 < daemon.tracker.checked[1] < plain.tracker.checked[1]
         else:
             assert daemon.tracker.checked[1] == 0
         assert abs(daemon.tracker.accuracy(1) - plain.tracker.accuracy(1)) < 0.02
-    assert plain._forecasts > 0.9 * plain.tracker.checked[0]
-
-
-def test_a_restored_predictor_without_the_flag_rolls_out_every_call() -> None:
-    predictor = Predictor(k=2)
-    del predictor.__dict__["roll_out_unserved"]
-    restored = pickle.loads(pickle.dumps(predictor))
-    assert restored.roll_out_unserved is True
+    assert plain.stats()["forecasts"] > 0.9 * plain.tracker.checked[0]

@@ -5,10 +5,17 @@
 * ``context`` - the request's own context: hints, position, retries (River logistic model);
 * ``position`` - where a workflow is, and what that says about each candidate next agent;
 * ``mixture`` - how much to trust each expert, learnt online;
+* ``nodes`` - what the one-step model computes at a position, and its caches;
+* ``onestep`` - the experts fused into the next label's distribution at a position;
 * ``rollout`` - K-step forecasts from the one-step model (a beam);
+* ``learning`` - the experts and their mixture taught one observed transition;
 * ``tracking`` - online accuracy per step, calibration, drift (River metrics and ADWIN);
-* ``fusion`` - the ``Predictor``: the experts mixed, rolled forward over K steps, learning as
-  calls are observed.
+* ``scoring`` - a workflow's forecasts scored as the calls they forecast arrive;
+* ``serving`` - the forecast served at a workflow's position (noise injected if asked);
+* ``kinds`` - what is learnt per workflow type, aliasing, forgetting a type after a drift;
+* ``workflows`` - per active workflow: its position, what was computed and forecast there;
+* ``parts`` - the predictor's settings and learnt state; ``restore`` - older checkpoints;
+* ``fusion`` - the ``Predictor``: the facade over those parts, learning as calls are observed.
 
 Installed with ``AGENTKV_COMPILE=1`` (``setup.py``: the Docker image is), those modules are
 compiled with Cython from this same source - the same arithmetic, about a quarter less CPU per
@@ -98,7 +105,8 @@ _choose_build()
 
 from policyd.models.predictor import fusion  # noqa: E402
 from policyd.models.predictor.forecast import END, START, Forecast  # noqa: E402
-from policyd.models.predictor.fusion import MIN_BRANCH, Predictor  # noqa: E402
+from policyd.models.predictor.fusion import Predictor  # noqa: E402
+from policyd.models.predictor.rollout import MIN_BRANCH  # noqa: E402
 
 # which build runs: "compiled" (Cython extension modules) or "interpreted" (the source)
 BUILD = "interpreted" if (fusion.__file__ or "").endswith(".py") else "compiled"
