@@ -4,15 +4,18 @@ Revision ID: ${up_revision}
 Revises: ${down_revision | comma,n}
 Create Date: ${create_date}
 
-Written by hand (DESIGN.md §4: autogenerate does not work on duckdb-engine). DuckDB rules: no
-autoincrement (use a sequence default), no ALTER on an indexed table's columns (drop the index,
-alter, recreate), no foreign keys added by ALTER.
+Drafted by ``alembic revision --autogenerate`` from policyd/history/tables.py, then reviewed by
+hand (docs/HISTORY.md, *Changing the schema*). Once released a revision is frozen: it never
+imports the live declaration. DuckDB rules: no autoincrement (create a sequence, use its
+nextval as the default: autogenerate does not see sequences), no ALTER on an indexed table's
+columns (drop the index, alter, recreate), no foreign keys added by ALTER.
 """
 
 from __future__ import annotations
 
+import sqlalchemy as sa
 from alembic import op
-
+${imports if imports else ""}
 revision = ${repr(up_revision)}
 down_revision = ${repr(down_revision)}
 branch_labels = ${repr(branch_labels)}

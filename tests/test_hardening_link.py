@@ -55,9 +55,10 @@ def test_forged_messages_are_counted_and_dropped_on_both_sides(history: HistoryP
     assert wait_for(lambda: history.stats()["link_malformed_received"] == 3)
     # into the child: only the daemon's own socket reaches it (the child connects out); a
     # message on it without the run's secret (or otherwise malformed) is counted and dropped
-    out = history._out
+    assert history._link is not None
+    out = history._link._out
     assert out is not None
-    with history._send_lock:
+    with history._link._send_lock:
         out.send_multipart([b"zz"])
         out.send_multipart([b"0" * 32, b"c", b"\x93\x01\xa5close\x90"])  # a forged close
     assert wait_for(lambda: history.stats().get("link_malformed") == 2)
@@ -71,9 +72,8 @@ def test_forged_messages_are_counted_and_dropped_on_both_sides(history: HistoryP
 
 
 def test_a_dead_link_fails_readiness_and_calls_at_once(history: HistoryProcess) -> None:
-    history._stopping.set()  # the listener thread ends (as it did on a forged message)
-    assert history._listener is not None
-    history._listener.join(timeout=10)
+    assert history._link is not None
+    history._link.stop_listening()  # the listener thread ends (as it did on a forged message)
     stats = history.stats()
     assert stats["link_alive"] is False and stats["writer_alive"] is False
     with pytest.raises(HistoryError, match="link"):

@@ -33,6 +33,7 @@ from policyd.history import (
     migrate,
     run_readonly_query,
     sampling,
+    writer,
 )
 from policyd.history.fanout import block_keep_mask
 from policyd.history.sampling import AdaptiveRate
@@ -477,15 +478,15 @@ def test_past_the_bound_a_batch_keeps_its_request_rows(tmp_path: Path) -> None:
 
 
 def test_reading_duckdbs_memory_between_writes_leaves_the_connection_usable(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The memory probe after a write reads its result to the end: a half-read result makes
     DuckDB refuse the next write's ``register`` on that connection (a bug once)."""
+    monkeypatch.setattr(writer, "MEMORY_PROBE_S", 0.0)  # probe after every write, not every 5 s
     with History(config(tmp_path), clock=FakeClock()) as h:
         for i in range(3):  # write, probe, write, ...
             assert h.record("decisions", [{"ts": NOW + i, "kind": "evict"}] * 10)
             h.flush()
-            h._memory_probed_s = -1e18  # probe after every write, not every 5 s
         assert h.query_live("SELECT count(*) FROM decisions") == [(30,)]
         stats = h.stats()
         assert stats["rows_rejected"] == 0 and stats["last_error"] is None

@@ -14,6 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from policyd.history.config import HistoryConfig
     from policyd.history.files import (
         DB_PATH_ENV,
         DEFAULT_DB_PATH,
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
         run_readonly_query,
     )
     from policyd.history.schema import TABLES
-    from policyd.history.store import History, HistoryConfig
+    from policyd.history.store import History
 
 _MODULE_OF = {
     **dict.fromkeys(
@@ -57,7 +58,7 @@ _MODULE_OF = {
     ),
     "TABLES": "schema",
     "History": "store",
-    "HistoryConfig": "store",
+    "HistoryConfig": "config",
 }
 
 

@@ -1,8 +1,9 @@
 """Schema versions of the history file: upgrade in place with Alembic, refuse a newer file.
 
-Alembic is configured in code (no alembic.ini); its scripts live in the repository's
-``migrations/`` folder, found next to the ``policyd`` package (a checkout or an editable install).
-The engine is ``duckdb:///path`` through duckdb-engine (the pinned versions are the set that works).
+Alembic is configured in code (``migrations/alembic.ini`` serves only the ``alembic`` command);
+its scripts live in the repository's ``migrations/`` folder, found next to the ``policyd`` package
+(a checkout or an editable install). Migrations run on ``policyd.history.dialect``'s engine
+(duckdb-engine; the pinned versions are the set that works).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ class SchemaTooNew(HistoryError):  # noqa: N818 (the name is the contract, HISTO
     """The file's schema revision is unknown to this code: written by a newer AgentKV."""
 
 
-def _alembic_config(db_path: Path) -> Config:
+def alembic_config() -> Config:
+    """Alembic's configuration for the ``migrations/`` folder beside the package (no database:
+    a migration hands its connection over in ``attributes["connection"]``)."""
     from alembic.config import Config  # noqa: PLC0415 - loads only when migrating
 
     if not (SCRIPT_LOCATION / "env.py").is_file():
@@ -38,7 +41,6 @@ def _alembic_config(db_path: Path) -> Config:
         )
     config = Config(stdout=io.StringIO())
     config.set_main_option("script_location", str(SCRIPT_LOCATION))
-    config.set_main_option("sqlalchemy.url", f"duckdb:///{db_path}")
     return config
 
 
@@ -46,7 +48,7 @@ def head_revision() -> str:
     """The newest revision this code knows."""
     from alembic.script import ScriptDirectory  # noqa: PLC0415
 
-    head = ScriptDirectory.from_config(_alembic_config(Path("unused"))).get_current_head()
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
     if head is None:
         raise HistoryError(f"no revisions under {SCRIPT_LOCATION / 'versions'}")
     return head
@@ -56,7 +58,7 @@ def known_revisions() -> list[str]:
     """Every revision this code knows, oldest first."""
     from alembic.script import ScriptDirectory  # noqa: PLC0415
 
-    script = ScriptDirectory.from_config(_alembic_config(Path("unused")))
+    script = ScriptDirectory.from_config(alembic_config())
     return [rev.revision for rev in reversed(list(script.walk_revisions()))]
 
 
@@ -128,15 +130,16 @@ def migrate(db_path: Path, *, revision: str = "head") -> tuple[str | None, str]:
     ``revision`` stops at an older revision instead (tests build previous-version files so).
     """
     from alembic import command  # noqa: PLC0415 - Alembic loads only when migrating
-    from sqlalchemy import create_engine  # noqa: PLC0415
+
+    from policyd.history.dialect import engine as history_engine  # noqa: PLC0415
 
     db_path = Path(db_path)
     db_path.parent.mkdir(parents=True, exist_ok=True)
     if db_path.is_file() and db_path.stat().st_size == 0:
         db_path.unlink()  # an empty file (touch, mkstemp) holds nothing: DuckDB creates it anew
-    config = _alembic_config(db_path)
+    config = alembic_config()
     try:
-        engine = create_engine(f"duckdb:///{db_path}")
+        engine = history_engine(db_path)
         conn = engine.connect()
     except Exception as exc:  # duckdb-engine wraps duckdb.Error in SQLAlchemy's DBAPIError
         raise _open_error(db_path, exc) from exc
