@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from policyd.core.engine import Engine
@@ -13,6 +14,7 @@ from policyd.core.types import (
     WorkflowFinished,
 )
 from policyd.models.stepgraph import StepGraph
+from policyd.policies import make_policy
 from policyd.policies.agentkv import AgentKV
 from policyd.policies.referee import RankingReferee
 from policyd.sim.replay import SimConfig, simulate
@@ -141,14 +143,14 @@ def test_a_write_displacing_only_lower_ranked_blocks_is_made_even_under_pressure
     press(engine, clock, 8)
     blocks = start(engine, clock, "live.0", "live", agent="planner", private=(9001, 9002))
     engine.snapshot()
-    policy.max_new_blocks = 0  # every write is a refill
-    value = policy._reuse_value("live", "planner", engine.state)
+    policy.admission.max_new_blocks = 0  # every write is a refill
+    value = policy.host_order.value("live", "planner", engine.state, degraded=False)
     assert value is not None and value > 0
     decision = engine.admit("live.0", blocks)
     assert decision.block_hashes == blocks and decision.reason.startswith("displaces only")
     fill = engine.state.resident["host"]
-    policy._published = dict.fromkeys(fill, value + 1.0)
-    assert not policy.displaced_below(value, 1, engine.state)
+    policy.host_order.published = dict.fromkeys(fill, value + 1.0)
+    assert not policy.host_order.displaced_below(value, 1, engine.state)
     assert not engine.admit("live.0", blocks).reason.startswith("displaces only")
 
 
@@ -159,21 +161,21 @@ def test_under_pressure_small_extensions_pass_and_refills_must_survive() -> None
     press(engine, clock, 1)
     blocks = start(engine, clock, "live.0", "live", agent="planner", private=(9001, 9002))
     engine.snapshot()
-    policy._published = dict.fromkeys(engine.state.resident["host"], 1e9)
-    assert policy.working_set.pressure(engine.state, clock.now, theta=0.95, source="shards")
+    policy.host_order.published = dict.fromkeys(engine.state.resident["host"], 1e9)
+    assert policy.admission.pressure(engine.state, clock.now)
     assert engine.admit("live.0", blocks[:1]).reason == "small extension"  # kappa: 512 blocks
-    policy.max_new_blocks = 0  # every write is now a refill
+    policy.admission.max_new_blocks = 0  # every write is now a refill
     # expected distance = prompt blocks referenced per second x the workflow's time to its
     # next call: at the pool's pace (10 s between calls) it exceeds the 1-block tier
-    assert policy.expected_reuse_s("live") > 1.0
-    assert policy.reference_rate_blocks_per_s() * policy.expected_reuse_s("live") >= 1
+    pacing = policy.pacing
+    assert pacing.expected_reuse_s("live") > 1.0
+    assert pacing.reference_rate_blocks_per_s() * pacing.expected_reuse_s("live") >= 1
     refill = engine.admit("live.0", blocks)
     assert refill.block_hashes == () and refill.declined == blocks
-    policy._interval_s["live"] = 0.0  # a workflow calling again at once: the refill survives
+    assert policy.decisions["declined"] == 1
+    pacing._interval_s["live"] = 0.0  # a workflow calling again at once: the refill survives
     survives = engine.admit("live.0", blocks)
     assert survives.block_hashes == blocks and survives.reason.startswith("expected distance")
-    policy.survival = False  # EfficientAgent's fixed rule: refills never survive
-    assert engine.admit("live.0", blocks).block_hashes == ()
     press(engine, clock, 1)
     clock.now += 61.0  # the last capacity eviction leaves the window: no pressure
     engine.apply_event(RequestFinished(ts=clock.now, request_id="live.0"))
@@ -183,7 +185,7 @@ def test_under_pressure_small_extensions_pass_and_refills_must_survive() -> None
 
 def test_a_degraded_predictor_ranks_by_the_learned_step_graph() -> None:
     engine, policy, clock = trained()
-    policy.min_accuracy = 1.01  # no predictor reaches it
+    policy.trust.min_accuracy = 1.01  # no predictor reaches it
     blocks = start(engine, clock, "live.0", "live", agent="planner", private=(9001, 9002))
     finish(engine, clock, "live.0", blocks)
     snap = engine.snapshot()
@@ -199,10 +201,9 @@ def test_a_retired_shared_prefix_the_next_call_needs_is_not_published_as_retired
     coder calls the planner next: on both tiers, and whether the predictor is trusted or
     degraded (the learned graph ranks then), the prompt keeps its live score."""
     for degraded in (False, True):
-        # the referee starts at "steps": the GPU and host rankings are then the same groups
-        engine, policy, clock = trained(host_ranking="steps")
+        engine, policy, clock = trained()
         if degraded:
-            policy.min_accuracy = 1.01
+            policy.trust.min_accuracy = 1.01
         assert set(SYS) <= policy.retired
         blocks = start(engine, clock, "live.0", "live", agent="coder", private=(9001,))
         finish(engine, clock, "live.0", blocks)
@@ -214,8 +215,7 @@ def test_a_retired_shared_prefix_the_next_call_needs_is_not_published_as_retired
             assert min(scores[b] for b in SYS) > 0.0
             dead = policy.retired - set(SYS)
             assert dead and all(scores[b] < 0.0 for b in dead)
-        # the retired group was added to the published copy, not to the policy's live ranking
-        assert all(g.score >= 0.0 for g in policy._host_groups)
+        assert engine.snapshot() == msgspec.structs.replace(snap, version=snap.version + 1)
 
 
 def test_the_step_graph_is_learned_and_an_unknown_position_falls_back_to_recency() -> None:
@@ -258,66 +258,54 @@ def test_agentkv_is_at_least_lru_and_efficientagent_at_a_contended_point() -> No
     assert ours.recomputed_tokens <= min(lru.recomputed_tokens, ea.recomputed_tokens)
 
 
-def test_a_fixed_gpu_ranking_is_kept_whatever_the_referee_prefers() -> None:
-    for fixed in ("lookahead", "both"):
-        engine, policy, _ = trained(gpu_ranking=fixed)
-        engine.snapshot()
-        assert not policy.degraded and policy.ranking == fixed
-        assert policy.referee.best() == "steps"  # (too few judged: it would have said steps)
-    with pytest.raises(ValueError, match="valid: referee, steps, lookahead, both"):
-        AgentKV(gpu_ranking="nope")
-
-
-def test_a_calls_output_scores_as_its_prompt_unless_told_not_to() -> None:
+def test_a_calls_output_scores_as_its_prompt() -> None:
     """Scenario: a live workflow's planner call computed one output block (9005), which the
-    planner's next prompt in the workflow repeats after its prompt."""
-    for score_outputs in (True, False):
-        engine, _, clock = trained(score_outputs=score_outputs)
-        blocks = start(engine, clock, "live.0", "live", agent="planner", private=(9001, 9002))
-        engine.apply_event(
-            BlocksStored(
-                ts=clock.now, tier="gpu", block_hashes=(*blocks, 9005), request_id="live.0"
-            )
-        )
-        engine.apply_event(RequestFinished(ts=clock.now, request_id="live.0"))
-        scores = {b: g.score for g in engine.snapshot().scores for b in g.block_hashes}
-        assert scores[9002] > 0.0
-        if score_outputs:
-            assert scores[9005] == scores[9002]
-        else:
-            assert 9005 not in scores  # below every live prompt, as PBKV and KVFlow leave it
+    planner's next prompt in the workflow repeats after its prompt: it scores as the prompt
+    (PBKV and KVFlow leave it below every live prompt)."""
+    engine, _, clock = trained()
+    blocks = start(engine, clock, "live.0", "live", agent="planner", private=(9001, 9002))
+    engine.apply_event(
+        BlocksStored(ts=clock.now, tier="gpu", block_hashes=(*blocks, 9005), request_id="live.0")
+    )
+    engine.apply_event(RequestFinished(ts=clock.now, request_id="live.0"))
+    snap = engine.snapshot()
+    scores = {b: g.score for g in snap.scores for b in g.block_hashes}
+    assert scores[9002] > 0.0 and scores[9005] == scores[9002]
+    assert snap.inherit_scores  # and so do the blocks stored before the next snapshot
+    engine.apply_event(WorkflowFinished(ts=clock.now, workflow_id="live"))
+    scores = {b: g.score for g in engine.snapshot().scores for b in g.block_hashes}
+    assert scores.get(9005, 0.0) <= 0.0  # a finished workflow's output is forgotten
 
 
-def test_the_steps_ranking_breaks_its_ties_by_the_lookahead_unless_told_not_to() -> None:
+def test_the_steps_ranking_breaks_its_ties_by_the_lookahead_without_a_host_tier() -> None:
     """Scenario: live workflow A has called its planner once (coder next, then the planner
     again); live B has run planner and coder (the planner next, then the end). A's planner
     prompt and B's coder prompt are both two steps away (1/2); the forecast expects A's planner
-    again and B's coder never, so it breaks the tie, within the class; by default ("auto") only
-    without a host tier."""
-    for ties, host_blocks in (("lookahead", 100), ("recency", 0), ("auto", 0), ("auto", 100)):
-        engine, policy, clock = trained(host_blocks, gpu_ranking="steps", steps_ties=ties)
+    again and B's coder never, so it breaks the tie, within the class - only without a host
+    tier (with one, the host is ordered by the sum and the GPU's steps tie by recency)."""
+    for host_blocks in (0, 100):
+        engine, policy, clock = trained(host_blocks)
         a = start(engine, clock, "a.0", "a", agent="planner", private=(9001, 9002))
         finish(engine, clock, "a.0", a)
         for step, (agent, private) in enumerate((("planner", (9101, 9102)), ("coder", (9103,)))):
             clock.now += 1.0
             rid = f"b.{step}"
             finish(engine, clock, rid, start(engine, clock, rid, "b", agent=agent, private=private))
-        scores = {b: g.score for g in engine.snapshot().scores for b in g.block_hashes}
-        assert not policy.degraded and policy.ranking == "steps"
-        planner_a, coder_b = scores[9002], scores[9103]
+        engine.snapshot()
+        assert not policy.degraded
+        steps = policy._rankings(engine.state)[0]["steps"].private
+        planner_a, coder_b = steps["a", "planner"], steps["b", "coder"]
         assert min(planner_a, coder_b) >= 0.5 and max(planner_a, coder_b) < 0.5 + 1e-6
-        if ties == "lookahead" or (ties == "auto" and not host_blocks):
-            assert planner_a > coder_b
-        else:
+        if host_blocks:
             assert planner_a == coder_b == 0.5  # the tier's recency decides
-    with pytest.raises(ValueError, match="valid: auto, lookahead, recency"):
-        AgentKV(steps_ties="nope")
+        else:
+            assert planner_a > coder_b
 
 
 def test_a_flat_types_steps_keep_recency_as_their_tie_break() -> None:
     """Single-agent workflows give the learned graph no structure: there the steps ranking
     stays recency (the lookahead has a ranking of its own)."""
-    policy = AgentKV(min_observations=0, min_accuracy=0.0, gpu_ranking="steps", guard=False)
+    policy = AgentKV(min_observations=0, min_accuracy=0.0, guard=False)
     clock = Clock()
     engine = Engine(policy, clock=clock)
     for w in range(12):
@@ -327,6 +315,18 @@ def test_a_flat_types_steps_keep_recency_as_their_tie_break() -> None:
             solo_call(engine, clock, f"w{w}.{step}", f"w{w}", kind="pool", blocks=blocks)
         if w < 10:
             engine.apply_event(WorkflowFinished(ts=clock.now, workflow_id=f"w{w}"))
-    assert policy.graph.flat("pool")
-    scores = {b: g.score for g in engine.snapshot().scores for b in g.block_hashes}
-    assert not policy.degraded and scores[10000] == scores[11002] == 1.0
+    assert policy.steps.graph.flat("pool")
+    engine.snapshot()
+    assert not policy.degraded
+    rankings, _ = policy._rankings(engine.state)
+    ahead = rankings["lookahead"].private
+    assert ahead["w10", "solver"] != ahead["w11", "solver"]  # the lookahead tells them apart
+    steps = rankings["steps"].private
+    assert steps["w10", "solver"] == steps["w11", "solver"] == 1.0
+
+
+def test_an_unknown_parameter_is_refused_naming_the_valid_ones() -> None:
+    for removed in ("referee", "gpu_ranking", "host_ranking", "survival", "inherit_scores"):
+        with pytest.raises(TypeError, match=f"no parameter {removed}; valid: .*guard"):
+            make_policy("agentkv", **{removed: 1})
+    assert isinstance(make_policy("agentkv", guard=False, theta=0.9), AgentKV)

@@ -19,7 +19,7 @@ from policyd.core.types import (
     WorkflowFinished,
 )
 from policyd.policies.agentkv import AgentKV
-from policyd.policies.pbkv import RETIRED_SCORE
+from policyd.policies.pbkv import PBKV, RETIRED_SCORE
 from policyd.sim.replay import SimConfig, Simulator
 from policyd.workloads import make_workload
 from tests.test_agentkv import Clock, finish, press, solo_call, start, trained
@@ -75,40 +75,47 @@ def test_without_pressure_a_resident_copy_gets_no_bonus() -> None:
     assert retired and all(host[b] == RETIRED_SCORE for b in retired)
 
 
-def test_without_the_bonus_and_with_the_same_ranking_both_orders_agree() -> None:
-    engine, policy, clock = trained(host_residency_bonus=0.0, host_ranking="steps")
-    policy.min_accuracy = 1.01  # degraded: the GPU is ranked by steps too
+def test_while_degraded_and_not_thrashing_both_orders_agree() -> None:
+    """A degraded predictor: the GPU and the host are both ranked by steps alone, and a tier
+    that is not thrashing raises no resident copy."""
+    engine, policy, clock = trained()
+    policy.trust.min_accuracy = 1.01  # no predictor reaches it
     blocks = start(engine, clock, "live.0", "live", agent="planner", private=(9001, 9002))
     finish(engine, clock, "live.0", blocks)
+    engine.apply_event(
+        BlocksStored(ts=clock.now, tier="host", block_hashes=(9001,), request_id="live.0")
+    )
     snap = engine.snapshot()
-    assert policy.ranking == "steps"
+    assert policy.degraded and policy.ranking == "steps"
+    assert snap.write_filter is not None and not snap.write_filter.pressure
     assert _scores(snap.host_scores) == _scores(snap.scores)
 
 
-def test_admission_values_a_prompt_in_the_host_ranking() -> None:
-    """The value ``admit`` compares with what a write displaces is the host ranking's:
-    steps + lookahead under ``both``, steps alone under ``steps``."""
+def test_admission_values_a_prompt_in_the_host_order() -> None:
+    """The value ``admit`` compares with what a write displaces is the host order's: steps +
+    lookahead in a structured type, steps alone while the predictor is degraded."""
     engine, policy, clock = trained()
     blocks = start(engine, clock, "live.0", "live", agent="planner", private=(9001, 9002))
     finish(engine, clock, "live.0", blocks)
     engine.snapshot()
-    both = policy._reuse_value("live", "planner", engine.state)
-    policy.host_ranking = "steps"
-    steps = policy._reuse_value("live", "planner", engine.state)
-    policy.host_ranking = "lookahead"
-    ahead = policy._reuse_value("live", "planner", engine.state)
-    assert both is not None and steps is not None and ahead is not None
+    state = engine.state
+    both = policy.host_order.value("live", "planner", state, degraded=False)
+    steps = policy.host_order.value("live", "planner", state, degraded=True)
+    ahead = policy.lookahead.mass("live", "planner")
+    assert both is not None and steps is not None
+    assert steps == policy.steps.value("live", "planner", state) > 0
     assert both == pytest.approx(steps + ahead) and ahead > 0
+    assert policy.host_order.value("nobody", "planner", state, degraded=False) is None
 
 
 BASE = {"quick": 50_000, "slow": 60_000}  # each workflow's private blocks start there
 
 
-def _solo_pool(**params: object) -> tuple[Engine, AgentKV]:
+def _solo_pool() -> tuple[Engine, AgentKV]:
     """Scenario: a flat type (one agent per workflow, like the SWE-bench pool): 30 finished
     workflows of four calls, then two live ones - "quick" calling every 5 s, "slow" every
     30 s - each prompt one block longer than the workflow's previous one."""
-    policy = AgentKV(min_observations=0, min_accuracy=0.0, host_blocks=100, guard=False, **params)  # type: ignore[arg-type]
+    policy = AgentKV(min_observations=0, min_accuracy=0.0, host_blocks=100, guard=False)
     clock = Clock()
     engine = Engine(policy, clock=clock)
 
@@ -137,29 +144,25 @@ def _private(groups: tuple[ScoredBlocks, ...] | None, wid: str) -> list[float]:
 def test_in_a_flat_type_the_host_keeps_the_workflow_that_calls_again_sooner() -> None:
     """A single-agent type's lookahead is only survival, which the forecast cannot tell apart
     (it orders the tier by noise); the host order uses the workflow's pace instead: steps
-    (1 for both) + 1 / (1 + its time between calls / the pool's mean). The GPU order does not
-    change, and without ``host_pace`` the host order is steps + lookahead again."""
+    (1 for both) + 1 / (1 + its time between calls / the pool's mean). Without a host tier
+    (nothing to order) the host ranking is the plain sum, steps + lookahead."""
     engine, policy = _solo_pool()
-    assert policy.graph.flat("solo")
+    assert policy.steps.graph.flat("solo")
     snap = engine.snapshot()
-    quick, slow = policy.pace("quick"), policy.pace("slow")
+    quick, slow = policy.pacing.pace("quick"), policy.pacing.pace("slow")
     assert 0.0 < slow < 0.5 < quick < 1.0
     assert _private(snap.host_scores, "quick") == pytest.approx([1.0 + quick])
     assert _private(snap.host_scores, "slow") == pytest.approx([1.0 + slow])
-    assert policy._reuse_value("quick", "solver", engine.state) == pytest.approx(1.0 + quick)
-    engine, unpaced = _solo_pool(host_pace=False)
-    plain = engine.snapshot()
-    assert _scores(plain.scores) == _scores(snap.scores)
-    ahead = unpaced._reuse_value("quick", "solver", engine.state)
-    assert ahead is not None and ahead > 1.0 + quick  # 1 + the survival mass
-    assert _private(plain.host_scores, "quick") == pytest.approx([ahead])
-
-
-def test_bad_host_parameters_are_refused() -> None:
-    with pytest.raises(ValueError, match="valid rankings"):
-        AgentKV(host_ranking="nope")
-    with pytest.raises(ValueError, match="host_residency_bonus"):
-        AgentKV(host_residency_bonus=-0.1)
+    state = engine.state
+    value = policy.host_order.value("quick", "solver", state, degraded=False)
+    assert value == pytest.approx(1.0 + quick)
+    rankings, host = policy._rankings(state)
+    both = rankings["both"]
+    assert host is not both
+    ahead = both.private["quick", "solver"]
+    assert ahead > 1.0 + quick  # 1 + the survival mass
+    steps, lookahead = rankings["steps"], rankings["lookahead"]
+    assert policy.host_order.ranking(steps, lookahead, both, state, host_tier=False) is both
 
 
 class Published(Policy):
@@ -211,12 +214,10 @@ def test_the_simulator_orders_the_host_tier_by_host_scores_when_given(host: bool
     assert sim.host.queue.pop_head() == (2 if host else 1)
 
 
-def test_agentkv_asks_for_inherited_scores_only_where_it_scores_outputs() -> None:
-    for policy, expected in [
-        (AgentKV(guard=False), True),
-        (AgentKV(inherit_scores=False, guard=False), False),
-        (AgentKV(score_outputs=False, guard=False), False),
-    ]:
+def test_agentkv_asks_for_inherited_scores_and_pbkv_does_not() -> None:
+    """agentkv scores each call's output as its prompt, and the blocks stored between
+    snapshots likewise; pbkv leaves both unscored."""
+    for policy, expected in [(AgentKV(guard=False), True), (PBKV(), False)]:
         snap = policy.snapshot(EngineState(), now=0.0, version=1, ttl_s=5.0)
         assert snap.inherit_scores is expected
 

@@ -64,11 +64,11 @@ def test_a_variant_runs_beside_the_default_under_its_own_label(capsys):
 def test_bench_compares_each_agentkv_variant_with_the_baselines(capsys):
     argv = ["--workload", "code-writing", "--streams", "8", "--concurrency", "4"]
     argv += ["--gpu-blocks", "3000", "--host-blocks", "0", "--no-progress"]
-    argv += ["--policies", "lru,agentkv,agentkv[referee=virtual,referee_window=64]"]
+    argv += ["--policies", "lru,agentkv,agentkv[guard=false,discount=0.5]"]
     assert bench_main(argv) == 0
     out = capsys.readouterr().out
     assert "agentkv vs the best baseline per point" in out
-    assert "agentkv[referee=virtual,referee_window=64] vs the best baseline" in out
+    assert "agentkv[guard=false,discount=0.5] vs the best baseline" in out
 
 
 @pytest.mark.parametrize(
@@ -299,14 +299,14 @@ def test_the_one_parser_takes_the_flags_python_m_bench_alone_had():
     --plot without --sweep, --from-json) are ``policyd bench``'s, beside its old ones."""
     argv = ["bench", "--workload", "code-writing,financial", "--concurrency", "24"]
     argv += ["--streams", "32", "--gpu-blocks", "8192", "--host-blocks", "0,4096"]
-    argv += ["--seed", "0,1,2", "--policies", "lru,pbkv,agentkv[referee=virtual,referee_window=64]"]
+    argv += ["--seed", "0,1,2", "--policies", "lru,pbkv,agentkv[guard=false,discount=0.5]"]
     argv += ["--plot", "seeds.png", "--json", "seeds.json", "--no-progress"]
     argv += ["--noise", "0,1", "--step-ops", "all", "--max-ranked-blocks", "512"]
     argv += ["--max-pinned-blocks", "8", "--profile", "h200-llama3.1-8b"]
     args = build_parser().parse_args(argv)
     assert args.streams == 32
     assert args.seed == [0, 1, 2]
-    assert args.policies == ["lru", "pbkv", "agentkv[referee=virtual,referee_window=64]"]
+    assert args.policies == ["lru", "pbkv", "agentkv[guard=false,discount=0.5]"]
     assert args.plot == "seeds.png" and args.sweep is None
     assert args.step_ops is None and args.noise == [0.0, 1.0]
     assert build_parser().parse_args(["bench", "--from-json", "a.json,b.json"]).from_json == (

@@ -17,9 +17,12 @@ import policyd.daemon.ingest
 import policyd.daemon.settings
 import policyd.history.safe_sql
 import policyd.models.stepgraph
+import policyd.policies
 import policyd.policies.guard
+import policyd.policies.pacing
+import policyd.policies.rankings
 import policyd.policies.referee
-import policyd.policies.virtual
+import policyd.policies.steps
 import policyd.workloads.calls
 import policyd.workloads.chats
 
@@ -33,10 +36,13 @@ import policyd.workloads.chats
         policyd.daemon.ingest,
         policyd.daemon.settings,
         policyd.history.safe_sql,
+        policyd.policies,
         policyd.policies.guard,
+        policyd.policies.pacing,
+        policyd.policies.rankings,
         policyd.policies.referee,
+        policyd.policies.steps,
         policyd.models.stepgraph,
-        policyd.policies.virtual,
         policyd.core.ratelog,
         policyd.core.types,
         policyd.core.validate,

@@ -99,21 +99,22 @@ def test_a_retired_shared_prefix_an_active_workflow_will_use_keeps_its_live_scor
 def test_a_useless_predictor_publishes_no_scores_only_lifecycle():
     """Scenario: below the accuracy floor pbkv degrades to recency + lifecycle."""
     engine, policy = trained_engine()
-    policy.min_accuracy = 1.01  # no predictor can reach it
+    policy.trust.min_accuracy = 1.01  # no predictor can reach it
     call(engine, "live.0", "live", "planner", (9001,))
     snapshot = engine.snapshot()
     assert policy.degraded
     assert {g.score for g in snapshot.scores} <= {RETIRED_SCORE}
+    assert policy.prefetch(8, engine.state) == []  # nor anything prefetched
 
 
 @settings(max_examples=10, deadline=None)
 @given(discount=st.floats(0.1, 1.0), workflows=st.integers(5, 30))
 def test_agent_mass_is_bounded_by_the_discounted_horizon(discount, workflows):
     engine, policy = trained_engine(workflows)
-    policy.discount = discount
+    policy.lookahead.discount = discount
     call(engine, "live.0", "live", "planner", (9001,))
     forecast = policy.predictor.predict("live")
-    total = sum(policy.agent_mass(forecast).values())
+    total = sum(policy.lookahead.agent_mass(forecast).values())
     assert 0.0 <= total <= sum(discount**i for i in range(forecast.k)) + 1e-9
 
 
@@ -142,11 +143,12 @@ def test_the_predictors_branching_floor_is_a_policy_parameter() -> None:
     predictor with that floor; an impossible one is refused."""
     from experiments.bench import policy_variant  # noqa: PLC0415
     from policyd.policies import make_policy  # noqa: PLC0415
+    from policyd.policies.agentkv import AgentKV  # noqa: PLC0415
 
     for label in ("pbkv[min_branch=0.2]", "agentkv[min_branch=0.2]"):
         name, params = policy_variant(label)
         policy = make_policy(name, **params)
-        assert isinstance(policy, PBKV) and policy.predictor.min_branch == 0.2
+        assert isinstance(policy, PBKV | AgentKV) and policy.predictor.min_branch == 0.2
     assert PBKV().predictor.min_branch == Predictor().min_branch  # the same default
     with pytest.raises(ValueError, match="min_branch"):
         PBKV(min_branch=2.0)

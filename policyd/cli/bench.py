@@ -32,8 +32,8 @@ SWEEP_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128)
 def split_policies(text: str) -> list[str]:
     """``--policies``: comma-separated, a variant's brackets kept whole.
 
-    >>> split_policies("lru,agentkv,agentkv[referee=virtual,referee_window=128]")
-    ['lru', 'agentkv', 'agentkv[referee=virtual,referee_window=128]']
+    >>> split_policies("lru,agentkv,agentkv[guard=false,discount=0.5]")
+    ['lru', 'agentkv', 'agentkv[guard=false,discount=0.5]']
     """
     out: list[str] = []
     depth, start = 0, 0
@@ -99,7 +99,7 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
         default=["lru", "belady"],
         help=f"comma-separated, from: {', '.join(sorted(POLICY_NAMES))} (default lru,belady); a "
         "variant with other parameters runs beside the default as name[param=value,...], e.g. "
-        "agentkv[referee=virtual]",
+        "agentkv[guard=false]",
     )
     bench.add_argument(
         "--concurrency",

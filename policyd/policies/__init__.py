@@ -1,8 +1,10 @@
 """The policy registry: names to factories. An unknown name is a ``ValueError`` listing the
-valid ones. Oracle policies need the future and take it as a keyword argument."""
+valid ones, an unknown parameter a ``TypeError`` listing the policy's. Oracle policies need the
+future and take it as a keyword argument."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from policyd.core.policy import Ordering, Policy
@@ -24,7 +26,13 @@ POLICIES: dict[str, type[Policy]] = {
 
 
 def make_policy(name: str, **kwargs: Any) -> Policy:
-    """Build the policy registered as ``name``."""
+    """Build the policy registered as ``name`` with the parameters ``kwargs``.
+
+    >>> make_policy("lru", nope=1)
+    Traceback (most recent call last):
+    ...
+    TypeError: lru takes no parameter nope; valid: (none)
+    """
     try:
         factory = POLICIES[name]
     except KeyError:
@@ -35,6 +43,13 @@ def make_policy(name: str, **kwargs: Any) -> Policy:
         raise ValueError(
             f"{name!r} is an offline oracle: it needs the future (future=FutureIndex(...)); "
             "the simulator builds it from the trace"
+        )
+    accepted = set(inspect.signature(factory.__init__).parameters) - {"self", "args", "kwargs"}
+    unknown = sorted(set(kwargs) - accepted)
+    if unknown:
+        raise TypeError(
+            f"{name} takes no parameter {', '.join(unknown)}; "
+            f"valid: {', '.join(sorted(accepted)) or '(none)'}"
         )
     return factory(**kwargs)
 
