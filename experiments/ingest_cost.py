@@ -85,7 +85,7 @@ def stage_costs(
             return out
 
         items = timed("offer (count, coalesce)", offer_all)
-        timed("Engine + service hooks", lambda: service._apply_items(items))
+        timed("Engine + service hooks", lambda: service.worker.apply_items(items))
         history = History(
             HistoryConfig(db_path=Path(tmp) / "history.duckdb", flush_interval_s=1e6,
                           retention_interval_s=1e6, snapshot_interval_s=None,
@@ -93,14 +93,14 @@ def stage_costs(
         )  # fmt: skip
         history.start()
         try:
-            fanout, pending = history._fanout, history._pending
+            fanout, pending = history._writer.fanout, history._writer.pending
 
             def fan_out() -> None:
                 for item in items:
                     fanout.add(pending, item.batch, 0.0)
 
             timed("history fan-out", fan_out)
-            timed("history DuckDB append", history._write_pending)
+            timed("history DuckDB append", history._writer.write_pending)
         finally:
             history.close()
             service.history.close()

@@ -172,7 +172,7 @@ def test_the_daemon_path_keeps_its_invariants(frames: list[EventBatch | bytes]) 
             frame = item
         queue.offer_frame(frame, 0.0)
         received = queue.take(1_000_000, 0.0)
-        service._apply_items(received)
+        service.worker.apply_items(received)
         service.engine.tick()
         check_invariants(service)
         if sent is not None and received:

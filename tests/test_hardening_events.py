@@ -119,7 +119,7 @@ def test_poisoned_events_are_dropped_counted_and_stats_stay_sane(daemon: Running
     }
     assert by_reason["non_finite_ts"] == 2
     # the history took the same events without a rejected row
-    service._cache_stats_row()
+    service.cache_stats.record()
     service.history.flush()
     hist = service.history.stats()
     assert hist["rows_rejected"] == 0

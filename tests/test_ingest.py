@@ -144,7 +144,7 @@ def test_block_events_reach_the_engine_and_the_stats(tmp_path: Path) -> None:
     )  # fmt: skip
     service = Service(settings)
     service.queue.offer(EventBatch("s", 1, (stored(range(16)), stored(range(16, 20)))), 0.0)
-    service._drain_queue()  # the engine worker's step, on this thread
+    service.worker.drain()  # the engine worker's step, on this thread
     stats = views.stats(service)
     assert stats["block_events_received"] == stats["block_events_applied"] == 20
     assert stats["block_events_shed"] == 0 and stats["block_shed_rate"] == 0.0

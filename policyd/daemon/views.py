@@ -87,7 +87,10 @@ def predictions_view(service: Service, limit: int = 50) -> dict[str, Any]:
         "accuracy_total": total,
         "checked": checked,
         "calibration": {"cross_entropy": ce},
-        "drift": {"alarms": service._drift_alarms, "last_ts": service._drift_last_ts},
+        "drift": {
+            "alarms": service.bookkeeping.drift_alarms,
+            "last_ts": service.bookkeeping.drift_last_ts,
+        },
         "recent": [
             {
                 key: r[key]
