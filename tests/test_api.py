@@ -162,6 +162,19 @@ def test_bad_settings_are_refused_and_nothing_is_applied(http: httpx.Client) -> 
     assert all(s["help"] for s in listing)
 
 
+def test_settings_carry_their_schema_and_the_change_body_is_documented(
+    http: httpx.Client,
+) -> None:
+    body = http.get("/api/settings").json()
+    properties = body["schema"]["properties"]
+    assert [s["key"] for s in body["settings"]] == list(properties)
+    assert (properties["discount"]["exclusiveMinimum"], properties["discount"]["maximum"]) == (0, 1)
+    put = http.get("/openapi.json").json()["paths"]["/api/settings"]["put"]
+    change = put["requestBody"]["content"]["application/json"]["schema"]
+    assert change["additionalProperties"] is False and "required" not in change
+    assert list(change["properties"]) == list(properties)
+
+
 def test_the_block_sample_rate_setting_reaches_the_history(http: httpx.Client) -> None:
     """The setting is the most the history keeps (it halves it by itself while behind)."""
     for rate in (0.25, 1.0):
@@ -186,7 +199,8 @@ def test_live_settings_apply_and_are_recorded(daemon: RunningDaemon, http: httpx
     assert r.status_code == 200
     policy = service.engine.policy
     assert getattr(policy, "predictor", None) is service.predictor
-    assert getattr(policy, "discount", None) == 0.5 and service.predictor.k == 2
+    lookahead = getattr(policy, "lookahead", None)  # PBKV's score holds the discount
+    assert getattr(lookahead, "discount", None) == 0.5 and service.predictor.k == 2
     assert service.predictor.tracker.checked == checked_before[:2]
     changes = http.get("/api/settings/history").json()["changes"]
     keys = [c["key"] for c in changes]

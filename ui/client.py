@@ -107,6 +107,15 @@ def _flatten_detail(detail: object) -> str:
 
 
 @dataclass(frozen=True)
+class LiveSettings:
+    """The daemon's tunables: ``values`` by key, and the JSON Schema that declares each one
+    (``properties``: type, bounds, ``enum``, ``description``)."""
+
+    values: dict[str, object]
+    schema: Json
+
+
+@dataclass(frozen=True)
 class Client:
     """Typed calls to one daemon. ``transport`` is for tests that need a fault they cannot cause
     with a real socket; production uses httpx's default."""
@@ -146,6 +155,17 @@ class Client:
 
     def settings(self) -> list[Json]:
         return _rows(self._call("GET", "/api/settings"), "settings", self._url("/api/settings"))
+
+    def live_settings(self) -> LiveSettings:
+        """The tunables' current values and their JSON Schema (what the tuning form is built
+        from), from one GET."""
+        url = self._url("/api/settings")
+        body = self._call("GET", "/api/settings")
+        schema = body.get("schema")
+        if not isinstance(schema, dict) or not isinstance(schema.get("properties"), dict):
+            raise DaemonFailedError(f"{url} answered without the settings' JSON Schema", url=url)
+        values = {str(row.get("key")): row.get("value") for row in _rows(body, "settings", url)}
+        return LiveSettings(values=values, schema=schema)
 
     def update_settings(self, changes: Mapping[str, object]) -> list[Json]:
         """PUT the changed knobs; the daemon validates all of them and applies all or none."""

@@ -3,7 +3,9 @@
 ``add_parsers(subparsers)`` declares them and ``COMMANDS`` maps each to its handler
 ``(args, argv) -> exit code`` (``bench-ingest``'s, a benchmark's, is policyd/cli/__init__.py's);
 policyd/cli/__init__.py registers both. Contract: importing this module and building its parsers
-import neither the daemon nor the policies; a handler imports what it runs.
+import neither the daemon nor the policies (nor pydantic); a handler imports what it runs.
+``policyd serve``'s flags are generated from the daemon's settings (``serve_parser()``), so they
+are built only when ``serve`` runs: ``add_parsers`` declares a stub that passes them through.
 """
 
 from __future__ import annotations
@@ -20,45 +22,22 @@ from policyd.workloads import WORKLOADS
 Handler = Callable[[argparse.Namespace, Sequence[str]], int]
 
 
+SERVE_HELP = "run the policy daemon (event ingest, snapshots, history, HTTP API)"
+SERVE_DESCRIPTION = (
+    "Every flag is one of the daemon's settings, also read from POLICYD_<NAME> in the "
+    "environment and from the settings file --config names (TOML or JSON): defaults < file < "
+    "environment < flags. docs/DAEMON.md has the full settings table."
+)
+
+
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    # `policyd serve`'s flags come from the daemon's settings declaration, which imports
+    # pydantic: the stub takes them unparsed ('+' prefixes: a leading '--db' is no option of
+    # its own) and _serve parses them with serve_parser() (see the module's contract).
     serve = sub.add_parser(
-        "serve",
-        help="run the policy daemon (event ingest, snapshots, history, HTTP API)",
-        description="Every flag also reads POLICYD_<NAME> from the environment "
-        "(flags win); see docs/DAEMON.md for the full settings table.",
+        "serve", help=SERVE_HELP, description=SERVE_DESCRIPTION, add_help=False, prefix_chars="+"
     )
-    serve.add_argument("--db", type=Path, help="history DuckDB file [POLICYD_DB]")
-    serve.add_argument("--events", help="PULL endpoint for event batches [POLICYD_EVENTS]")
-    serve.add_argument("--snapshots", help="PUB endpoint for snapshots [POLICYD_SNAPSHOTS]")
-    serve.add_argument("--http-host", help="HTTP bind address [POLICYD_HTTP_HOST]")
-    serve.add_argument("--http-port", type=int, help="HTTP port [POLICYD_HTTP_PORT]")
-    serve.add_argument("--policy", choices=ONLINE_POLICY_NAMES, help="policy [POLICYD_POLICY]")
-    serve.add_argument(
-        "--token-file",
-        type=Path,
-        help="file holding the bearer token for admin routes and SQL [POLICYD_TOKEN_FILE]; "
-        "or set POLICYD_API_TOKEN",
-    )
-    serve.add_argument(
-        "--token",
-        help="the bearer token itself: visible to every local user in ps; prefer --token-file "
-        "or POLICYD_API_TOKEN",
-    )
-    serve.add_argument(
-        "--allow-open-http",
-        action="store_const",
-        const=True,
-        help="serve the HTTP API on a non-loopback address without a token (refused "
-        "otherwise) [POLICYD_ALLOW_OPEN_HTTP]",
-    )
-    serve.add_argument("--profile", help="hardware profile (KV bytes/block) [POLICYD_PROFILE]")
-    serve.add_argument("--gpu-blocks", type=int, help="GPU KV blocks [POLICYD_GPU_BLOCKS]")
-    serve.add_argument("--vllm-events", help="vLLM KV-events endpoint [POLICYD_VLLM_EVENTS]")
-    serve.add_argument("--vllm-replay", help="vLLM KV-events replay endpoint")
-    serve.add_argument("--vllm-topic", help="vLLM KV-events topic [POLICYD_VLLM_TOPIC]")
-    serve.add_argument("--checkpoint-dir", type=Path, help="model checkpoint directory")
-    serve.add_argument("--checkpoint-interval-s", type=float, help="seconds between checkpoints")
-    serve.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    serve.add_argument("flags", nargs=argparse.REMAINDER, help="policyd serve --help")
 
     demo = sub.add_parser(
         "demo",
@@ -136,42 +115,49 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     bench.add_argument("--plot", metavar="PATH", help="also plot RSS over the run (PNG)")
 
 
-def _serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from policyd.daemon.server import serve  # noqa: PLC0415 - see the module's contract
-    from policyd.daemon.settings import DaemonSettings  # noqa: PLC0415
+def serve_parser() -> argparse.ArgumentParser:
+    """``policyd serve``'s parser: a flag ``--<name-with-dashes>`` per daemon setting
+    (``DaemonSettings.setting_fields()``: its type, choices and help, its environment variable
+    named), ``None`` when not given; a switch is ``store_const`` True. And ``--log-level``."""
+    from policyd.daemon.settings import DaemonSettings  # noqa: PLC0415 - see the module's contract
 
+    parser = argparse.ArgumentParser(prog="policyd serve", description=SERVE_DESCRIPTION)
+    for setting in DaemonSettings.setting_fields():
+        flag = "--" + setting.name.replace("_", "-")
+        text = f"{setting.help} [{DaemonSettings.env_name(setting.name)}]".replace("%", "%%")
+        if setting.type is bool:
+            parser.add_argument(
+                flag, dest=setting.name, action="store_const", const=True, help=text
+            )
+        else:
+            parser.add_argument(
+                flag, dest=setting.name, type=setting.type, choices=setting.choices, help=text
+            )
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    return parser
+
+
+def _serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from policyd.daemon.settings import DaemonSettings  # noqa: PLC0415 - see the module's contract
+
+    flags = vars(serve_parser().parse_args(args.flags))  # (--help ends here, the daemon unread)
+    log_level = str(flags.pop("log_level"))
     logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        level=getattr(logging, log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    overrides = {
-        "db": args.db,
-        "events": args.events,
-        "snapshots": args.snapshots,
-        "http_host": args.http_host,
-        "http_port": args.http_port,
-        "policy": args.policy,
-        "token": args.token,
-        "token_file": args.token_file,
-        "allow_open_http": args.allow_open_http,
-        "profile": args.profile,
-        "gpu_blocks": args.gpu_blocks,
-        "vllm_events": args.vllm_events,
-        "vllm_replay": args.vllm_replay,
-        "vllm_topic": args.vllm_topic,
-        "checkpoint_dir": args.checkpoint_dir,
-        "checkpoint_interval_s": args.checkpoint_interval_s,
-    }
-    if args.token:
+    if flags.get("token"):
         logging.getLogger("policyd").warning(
             "--token puts the secret on the command line, where ps shows it to every local "
             "user: prefer --token-file or POLICYD_API_TOKEN"
         )
     try:
-        settings = DaemonSettings.load(overrides)
+        settings = DaemonSettings.load(flags)
     except ValueError as exc:
         print(f"policyd serve: {exc}", file=sys.stderr)
         return 2
+    from policyd.daemon.server import serve  # noqa: PLC0415
+
     return serve(settings)
 
 

@@ -2,7 +2,9 @@
 
 ``create_app(service)`` builds the app; ``policyd serve`` runs it with uvicorn, tests run it in a
 thread. Errors are ``{"error": "..."}`` with a 4xx status; admin routes need
-``Authorization: Bearer <token>`` when the service was given a token.
+``Authorization: Bearer <token>`` when the service was given a token. ``GET /api/settings``
+carries the tunables' JSON Schema (``policyd.daemon.settings.Tunables``); ``PUT`` documents its
+body as ``TunablesChange``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from policyd.daemon import views
 from policyd.daemon.service import Service
+from policyd.daemon.settings import TunablesChange, tunables_schema
 from policyd.history import HistoryError, SqlRefused
 
 T = TypeVar("T")
@@ -33,6 +36,13 @@ MAX_SQL_ROWS = 10_000
 MAX_SETTINGS_BODY_BYTES = 64 * 1024  # a settings change is a few keys
 MAX_ERRORS_SHOWN = 20
 DECISION_KINDS = ("evict", "admit", "decline", "prefetch", "pin", "retire")
+SETTINGS_SCHEMA = tunables_schema()  # GET /api/settings: what the dashboard's form is built from
+SETTINGS_CHANGE_DOC = {  # PUT /api/settings's body in the OpenAPI document
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": TunablesChange.model_json_schema()}},
+    }
+}
 
 
 class ApiError(Exception):
@@ -195,11 +205,16 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
         except TimeoutError as exc:
             raise ApiError(503, str(exc)) from None
 
+    def settings_body() -> dict[str, Any]:
+        return {**views.settings_view(service), "schema": SETTINGS_SCHEMA}
+
     @app.get("/api/settings")
     async def get_settings() -> Any:
-        return views.settings_view(service)
+        return settings_body()
 
-    @app.put("/api/settings", dependencies=[Depends(admin)])
+    # The body is read here, not by FastAPI: over 64 KiB it is a 413 before it is parsed, and a
+    # refusal is a 400 with a message per key (the service validates with TunablesChange)
+    @app.put("/api/settings", dependencies=[Depends(admin)], openapi_extra=SETTINGS_CHANGE_DOC)
     async def put_settings(request: Request) -> Any:
         raw = await request.body()
         if len(raw) > MAX_SETTINGS_BODY_BYTES:
@@ -217,7 +232,7 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
             if len(errors) > len(shown):
                 summary += f"; and {len(errors) - len(shown)} more"
             raise ApiError(400, f"nothing applied: {summary}", errors=dict(shown))
-        return views.settings_view(service)
+        return settings_body()
 
     @app.get("/api/settings/history")
     async def settings_history(limit: int = Query(100, ge=1, le=1000)) -> Any:

@@ -1,22 +1,42 @@
-"""The daemon's settings: one declared table, read once (defaults < POLICYD_* env < flags).
+"""The daemon's settings, each declared once: a pydantic field with its type, bounds and help.
 
-Two kinds. ``DaemonSettings`` are fixed for the life of the process (endpoints, paths, the token).
-``TUNABLES`` are the knobs the HTTP API and the dashboard change live; each is declared once
-with its type, bounds and help, and ``validate_tunables`` checks a whole change set before any
-of it is applied. Constructors elsewhere receive narrow values, never these objects.
+Two kinds. ``DaemonSettings`` (pydantic-settings) are fixed for the life of the process
+(endpoints, paths, the token, bounds on queues and tables); ``DaemonSettings.load(flags)``
+reads them once with precedence defaults < settings file (``config``: ``--config`` /
+``POLICYD_CONFIG``, TOML or JSON) < ``POLICYD_<NAME>`` environment variables < flags, and
+raises ``ValueError`` naming each bad setting and where its value came from. ``policyd serve``
+builds its flags from ``DaemonSettings.setting_fields()``.
+
+``Tunables`` are the knobs the HTTP API and the dashboard change live. ``TunablesChange`` (the
+same fields, none required, no others allowed) is the API's request schema; the JSON Schema of
+``Tunables`` (``tunables_schema()``) is what the dashboard builds its form from.
+``validate_tunables`` checks a whole change set before any of it is applied. Constructors
+elsewhere receive narrow values, never these objects.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
-import math
 import os
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, Self, TypeAlias
 
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from policyd.core.names import ONLINE_POLICY_NAMES
 from policyd.core.profiles import PROFILES
 from policyd.core.ratelog import QUOTE_CHARS, quote
 from policyd.core.wire import (
@@ -26,267 +46,283 @@ from policyd.core.wire import (
     DEFAULT_SNAPSHOT_ENDPOINT,
 )
 from policyd.daemon.ingest import INGEST_MAX_FRAME_BYTES
-from policyd.policies import POLICIES
+from policyd.daemon.settings_fields import ErrorWording, FieldFacts, facts_of, number_text
+from policyd.daemon.settings_file import CONFIG_FIELD, SettingsFileSource, read_settings_file
+
+if TYPE_CHECKING:
+    PolicyName: TypeAlias = str
+    ProfileName: TypeAlias = str
+else:  # the registries' names as Literal types: JSON Schema enums, argparse choices
+    PolicyName = Literal[ONLINE_POLICY_NAMES]
+    ProfileName = Literal[tuple(PROFILES)]
 
 ENV_PREFIX: Final = "POLICYD_"
-HISTORY_WRITERS: Final = ("process", "thread")
 MAX_SECONDS: Final = 366 * 86400.0  # the longest interval or timeout a setting may name
-# settings in seconds that must be positive and at most MAX_SECONDS (0 or 1e308 would spin or
-# overflow the thread that waits on them)
-POSITIVE_SECONDS: Final = (
-    "checkpoint_interval_s",
-    "tick_interval_s",
-    "idle_timeout_s",
-    "request_timeout_s",
-    "snapshot_ttl_s",
-    "stats_interval_s",
-    "sizing_interval_s",
-    "history_flush_interval_s",
-    "history_retention_s",
-)
+MAX_TABLE_ENTRIES: Final = 10_000_000  # sources, running requests, active workflows
+MAX_BLOCKS_SETTING: Final = 1_000_000  # prefetch budget, write-filter kappa
+MAX_HOST_TIER_GIB: Final = 1024.0 * 1024.0  # 1 PiB: host blocks stay a finite integer
+ZMQ_ENDPOINT: Final = re.compile(r"[a-z]+://\S+")
 
 
-def _help(text: str, **extra: Any) -> Any:
-    return field(metadata={"help": text, **extra})
+def _zmq_endpoint(value: str) -> str:
+    if not ZMQ_ENDPOINT.fullmatch(value):
+        raise ValueError(
+            f"must be a ZeroMQ endpoint transport://address (tcp://127.0.0.1:5557, "
+            f"ipc:///run/policyd.sock), got {quote(value)}"
+        )
+    return value
 
 
-@dataclass(frozen=True, slots=True)
-class DaemonSettings:
-    """Everything ``policyd serve`` is configured with; see ``describe()`` for the help text."""
+def _not_blank(value: str | None) -> str | None:
+    if value is not None and not value.strip():
+        raise ValueError("is empty")
+    return value
 
-    db: Path = field(
+
+def _empty_is_none(value: object) -> object:
+    """An environment variable set to '' reads as unset."""
+    return None if isinstance(value, str) and not value.strip() else value
+
+
+def _empty_is_false(value: object) -> object:
+    """An environment variable set to '' reads as false (as unset would)."""
+    return False if isinstance(value, str) and not value.strip() else value
+
+
+# 0 s or 1e308 s would spin or overflow the thread that waits on them
+Seconds = Annotated[float, Field(gt=0, le=MAX_SECONDS)]
+Endpoint = Annotated[str, AfterValidator(_zmq_endpoint)]
+OptionalEndpoint = Annotated[Endpoint | None, BeforeValidator(_empty_is_none)]
+Switch = Annotated[bool, BeforeValidator(_empty_is_false)]
+TableSize = Annotated[int, Field(ge=1, le=MAX_TABLE_ENTRIES)]
+
+
+class DaemonSettings(BaseSettings):
+    """Everything ``policyd serve`` is configured with; ``describe()`` lists the help text.
+
+    Built by ``load()`` (which also reads the token file and checks the whole set);
+    ``DaemonSettings(**values)`` reads the environment and the settings file too, as any
+    pydantic-settings class does. Instances are immutable; ``replace()`` copies without
+    validating, so whoever serves from a copy calls ``check()`` (``start_daemon`` does)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        extra="forbid",
+        frozen=True,
+        allow_inf_nan=False,
+        validate_by_name=True,
+    )
+
+    config: Path | None = Field(
+        default=None,
+        description="Settings file (TOML or JSON; its keys are these settings' names): under "
+        "the environment and the flags in precedence.",
+    )
+    db: Path = Field(
         default=Path("policyd-history.duckdb"),
-        metadata={"help": "History DuckDB file (created and migrated when missing)."},
+        description="History DuckDB file (created and migrated when missing).",
     )
-    events: str = field(
+    events: Endpoint = Field(
         default=DEFAULT_EVENTS_ENDPOINT,
-        metadata={"help": "ZeroMQ endpoint the daemon binds a PULL socket on for event batches."},
+        description="ZeroMQ endpoint the daemon binds a PULL socket on for event batches.",
     )
-    snapshots: str = field(
+    snapshots: Endpoint = Field(
         default=DEFAULT_SNAPSHOT_ENDPOINT,
-        metadata={"help": "ZeroMQ endpoint the daemon binds a PUB socket on for snapshots."},
+        description="ZeroMQ endpoint the daemon binds a PUB socket on for snapshots.",
     )
-    http_host: str = field(
-        default=DEFAULT_HTTP_HOST,
-        metadata={"help": "HTTP API bind address (loopback by default)."},
+    http_host: str = Field(
+        default=DEFAULT_HTTP_HOST, description="HTTP API bind address (loopback by default)."
     )
-    http_port: int = field(
-        default=DEFAULT_HTTP_PORT, metadata={"help": "HTTP API port (0: pick a free one)."}
+    http_port: int = Field(
+        default=DEFAULT_HTTP_PORT, ge=0, le=65535, description="HTTP API port (0: pick a free one)."
     )
-    token: str | None = field(
+    token: Annotated[str | None, AfterValidator(_not_blank)] = Field(
         default=None,
-        metadata={
-            "help": "Bearer token required on admin routes (settings writes, checkpoint) and "
-            "on /api/sql.",
-            "env": "POLICYD_API_TOKEN",
-        },
+        validation_alias="POLICYD_API_TOKEN",
+        description="Bearer token required on admin routes (settings writes, checkpoint) and "
+        "on /api/sql. On the command line (--token) every local user sees it in ps: prefer "
+        "--token-file or POLICYD_API_TOKEN.",
     )
-    token_file: Path | None = field(
+    token_file: Path | None = Field(
         default=None,
-        metadata={
-            "help": "File holding the bearer token (read at start, surrounding whitespace "
-            "dropped): unlike --token, the secret is not on the command line, where ps shows it."
-        },
+        description="File holding the bearer token (read at start, surrounding whitespace "
+        "dropped): unlike --token, the secret is not on the command line, where ps shows it.",
     )
-    allow_open_http: bool = field(
+    allow_open_http: Switch = Field(
         default=False,
-        metadata={
-            "help": "Serve the HTTP API on a non-loopback address without a token. Without "
-            "this, `policyd serve` refuses to: anyone who reaches the address could change "
-            "settings and read the history."
-        },
+        description="Serve the HTTP API on a non-loopback address without a token. Without "
+        "this, `policyd serve` refuses to: anyone who reaches the address could change "
+        "settings and read the history.",
     )
-    sql_without_token: bool = field(
+    sql_without_token: Switch = Field(
         default=False,
-        metadata={
-            "help": "Let POST /api/sql answer without the bearer token when a token is set "
-            "(by default it needs it, as the admin routes do)."
-        },
+        description="Let POST /api/sql answer without the bearer token when a token is set "
+        "(by default it needs it, as the admin routes do).",
     )
-    policy: str = field(default="pbkv", metadata={"help": "Policy at start (a tunable later)."})
-    profile: str = field(
+    policy: PolicyName = Field(default="pbkv", description="Policy at start (a tunable later).")
+    profile: ProfileName = Field(
         default="h200-llama3.1-8b",
-        metadata={"help": "Hardware/model profile: KV bytes per block, GPU and host sizes."},
+        description="Hardware/model profile: KV bytes per block, GPU and host sizes.",
     )
-    gpu_blocks: int | None = field(
-        default=None, metadata={"help": "GPU KV blocks for sizing (default: the profile's)."}
+    gpu_blocks: int | None = Field(
+        default=None, ge=1, description="GPU KV blocks for sizing (default: the profile's)."
     )
-    vllm_events: str | None = field(
-        default=None,
-        metadata={"help": "vLLM KV-events PUB endpoint to subscribe to (tcp://host:port)."},
+    vllm_events: OptionalEndpoint = Field(
+        default=None, description="vLLM KV-events PUB endpoint to subscribe to (tcp://host:port)."
     )
-    vllm_replay: str | None = field(
-        default=None, metadata={"help": "vLLM KV-events replay (ROUTER) endpoint for gaps."}
+    vllm_replay: OptionalEndpoint = Field(
+        default=None, description="vLLM KV-events replay (ROUTER) endpoint for gaps."
     )
-    vllm_topic: str = field(default="", metadata={"help": "vLLM KV-events topic ('' = all)."})
-    checkpoint_dir: Path | None = field(
-        default=None,
-        metadata={"help": "Directory for model checkpoints (default: next to the db)."},
+    vllm_topic: str = Field(default="", description="vLLM KV-events topic ('' = all).")
+    checkpoint_dir: Path | None = Field(
+        default=None, description="Directory for model checkpoints (default: next to the db)."
     )
-    checkpoint_interval_s: float = field(
-        default=60.0, metadata={"help": "Seconds between periodic model checkpoints."}
+    checkpoint_interval_s: Seconds = Field(
+        default=60.0, description="Seconds between periodic model checkpoints."
     )
-    ingest_queue_frames: int = field(
+    ingest_queue_frames: int = Field(
         default=4096,
-        metadata={
-            "help": "Queue between the PULL socket and the Engine, in frames of 256 events or "
-            "block events (a frame of 4,096 block events weighs 16): block stores are shed "
-            "above shed_above_frames, falling to none kept at this depth; past twice this, "
-            "frames keep only their closing events (RequestFinished, WorkflowFinished, "
-            "AllBlocksCleared), past four times they are dropped whole; all counted."
-        },
+        ge=1,
+        description="Queue between the PULL socket and the Engine, in frames of 256 events or "
+        "block events (a frame of 4,096 block events weighs 16): block stores are shed above "
+        "shed_above_frames, falling to none kept at this depth; past twice this, frames keep "
+        "only their closing events (RequestFinished, WorkflowFinished, AllBlocksCleared), past "
+        "four times they are dropped whole; all counted.",
     )
-    shed_above_frames: int = field(
+    shed_above_frames: int = Field(
         default=256,
-        metadata={
-            "help": "Queue depth (weighted frames) above which block stores are sampled "
-            "(removals never are)."
-        },
+        ge=0,
+        description="Queue depth (weighted frames) above which block stores are sampled "
+        "(removals never are); below ingest_queue_frames.",
     )
-    max_frame_bytes: int = field(
+    max_frame_bytes: int = Field(
         default=INGEST_MAX_FRAME_BYTES,
-        metadata={"help": "Event frames larger than this are rejected as malformed."},
+        ge=1,
+        description="Event frames larger than this are rejected as malformed.",
     )
-    max_sources: int = field(
+    max_sources: TableSize = Field(
         default=4096,
-        metadata={
-            "help": "Event sources whose last sequence number is kept (least recently heard "
-            "forgotten first, counted), so a flood of source names cannot grow the table."
-        },
+        description="Event sources whose last sequence number is kept (least recently heard "
+        "forgotten first, counted), so a flood of source names cannot grow the table.",
     )
-    request_timeout_s: float = field(
+    request_timeout_s: Seconds = Field(
         default=900.0,
-        metadata={
-            "help": "A request running this long without a RequestFinished is finished by the "
-            "daemon (counted in requests_expired), even while others run."
-        },
+        description="A request running this long without a RequestFinished is finished by the "
+        "daemon (counted in requests_expired), even while others run.",
     )
-    max_running_requests: int = field(
+    max_running_requests: TableSize = Field(
         default=4096,
-        metadata={
-            "help": "Running requests the Engine tracks; past this the oldest is finished at "
-            "once (requests_evicted), so a flood of unfinished requests stays bounded."
-        },
+        description="Running requests the Engine tracks; past this the oldest is finished at "
+        "once (requests_evicted), so a flood of unfinished requests stays bounded.",
     )
-    max_active_workflows: int = field(
+    max_active_workflows: TableSize = Field(
         default=256,
-        metadata={
-            "help": "Active workflows the Engine tracks; past this one is finished at once "
-            "(workflows_evicted): of those that made a single call the least recently seen, "
-            "then of the others. What a snapshot and a decision walk stays bounded."
-        },
+        description="Active workflows the Engine tracks; past this one is finished at once "
+        "(workflows_evicted): of those that made a single call the least recently seen, then "
+        "of the others. What a snapshot and a decision walk stays bounded.",
     )
-    tick_interval_s: float = field(
-        default=1.0, metadata={"help": "Seconds between idle-workflow checks (engine.tick)."}
+    tick_interval_s: Seconds = Field(
+        default=1.0, description="Seconds between idle-workflow checks (engine.tick)."
     )
-    heap_trim_interval_s: float = field(
+    heap_trim_interval_s: float = Field(
         default=30.0,
-        metadata={
-            "help": "Seconds between returns of freed heap to the OS (glibc malloc_trim), so "
-            "RSS falls back after a burst; 0 turns it off."
-        },
+        ge=0,
+        le=MAX_SECONDS,
+        description="Seconds between returns of freed heap to the OS (glibc malloc_trim), so "
+        "RSS falls back after a burst; 0 turns it off.",
     )
-    idle_timeout_s: float = field(
-        default=600.0, metadata={"help": "A workflow idle this long is inferred finished."}
+    idle_timeout_s: Seconds = Field(
+        default=600.0, description="A workflow idle this long is inferred finished."
     )
-    snapshot_ttl_s: float = field(
-        default=5.0, metadata={"help": "TTL written into each published snapshot."}
+    snapshot_ttl_s: Seconds = Field(
+        default=5.0, description="TTL written into each published snapshot."
     )
-    stats_interval_s: float = field(
-        default=5.0, metadata={"help": "Seconds per cache_stats row in the history."}
+    stats_interval_s: Seconds = Field(
+        default=5.0, description="Seconds per cache_stats row in the history."
     )
-    sizing_interval_s: float = field(
-        default=10.0, metadata={"help": "Seconds between MRC + sizing rows in the history."}
+    sizing_interval_s: Seconds = Field(
+        default=10.0, description="Seconds between MRC + sizing rows in the history."
     )
-    shards_rate: float = field(
-        default=0.1, metadata={"help": "SHARDS starting sampling rate of the MRC estimator."}
+    shards_rate: float = Field(
+        default=0.1, gt=0, le=1, description="SHARDS starting sampling rate of the MRC estimator."
     )
-    shards_max_tracked_blocks: int = field(
-        default=8192, metadata={"help": "SHARDS fixed-size bound on tracked blocks."}
+    shards_max_tracked_blocks: int = Field(
+        default=8192, ge=1, description="SHARDS fixed-size bound on tracked blocks."
     )
-    sizing_coverage: float = field(
-        default=0.9, metadata={"help": "Share of achievable reuse the host-tier size targets."}
+    sizing_coverage: float = Field(
+        default=0.9, gt=0, le=1, description="Share of achievable reuse the host-tier size targets."
     )
-    history_flush_interval_s: float = field(
-        default=0.5, metadata={"help": "History writer flush interval."}
+    history_flush_interval_s: Seconds = Field(
+        default=0.5, description="History writer flush interval."
     )
-    history_retention_s: float | None = field(
-        default=None, metadata={"help": "Drop history rows older than this (None: keep)."}
+    history_retention_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_SECONDS,
+        description="Drop history rows older than this (default: keep them).",
     )
-    history_cpu_budget: float = field(
+    history_cpu_budget: float = Field(
         default=0.25,
-        metadata={
-            "help": "Share of a core the history writer may spend on rows before it samples "
-            "fewer block rows (as when it falls behind); 0: no budget."
-        },
+        ge=0,
+        description="Share of a core the history writer may spend on rows before it samples "
+        "fewer block rows (as when it falls behind); 0: no budget.",
     )
-    history_writer: str = field(
+    history_writer: Literal["process", "thread"] = Field(
         default="process",
-        metadata={
-            "help": "Where the history writer runs: 'process' (a child process with its own "
-            "interpreter lock, so that turning events into rows and DuckDB's statements do "
-            "not slow the Engine) or 'thread' (in the daemon's process)."
-        },
+        description="Where the history writer runs: 'process' (a child process with its own "
+        "interpreter lock, so that turning events into rows and DuckDB's statements do not "
+        "slow the Engine) or 'thread' (in the daemon's process).",
     )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.shed_above_frames >= self.ingest_queue_frames:
+            raise ValueError("shed_above_frames must be below ingest_queue_frames")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Flags (init arguments) > environment > settings file > defaults."""
+        return init_settings, env_settings, SettingsFileSource(settings_cls)
 
     @classmethod
     def load(cls, overrides: Mapping[str, object] | None = None) -> DaemonSettings:
-        """Defaults, then ``POLICYD_<NAME>`` environment variables, then ``overrides`` (flags;
-        ``None`` values are ignored). Raises ``ValueError`` naming the bad variable."""
-        values: dict[str, object] = {}
-        for f in fields(cls):
-            env = f.metadata.get("env", ENV_PREFIX + f.name.upper())
-            raw = os.environ.get(env)
-            if raw is not None:
-                try:
-                    values[f.name] = _parse(f.type, raw)
-                except ValueError as exc:
-                    raise ValueError(f"{env}={quote(raw)}: {exc}") from None
-        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-        token_file = values.get("token_file")
-        if token_file is not None and not values.get("token"):
-            values["token"] = _read_token(Path(str(token_file)))
-        settings = cls(**values)  # type: ignore[arg-type]
+        """Defaults, then the settings file, then ``POLICYD_<NAME>`` environment variables,
+        then ``overrides`` (flags; ``None`` values are ignored); the token read from
+        ``token_file`` unless given; the whole set checked (``check()``). Raises
+        ``ValueError`` naming each bad setting and where its value came from."""
+        flags: dict[str, Any] = {k: v for k, v in (overrides or {}).items() if v is not None}
+        try:
+            settings = cls(**flags)
+        except ValidationError as exc:
+            raise ValueError(Provenance(cls, flags).explain(exc)) from None
+        if settings.token_file is not None and not settings.token:
+            settings = settings.replace(token=_read_token(settings.token_file))
         settings.check()
         return settings
 
     def check(self) -> None:
-        if self.policy not in online_policies():
-            raise ValueError(
-                f"unknown policy {quote(self.policy)}; valid: {', '.join(online_policies())}"
-            )
-        if self.profile not in PROFILES:
-            raise ValueError(f"unknown profile {quote(self.profile)}; valid: {', '.join(PROFILES)}")
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"{f.name} must be a finite number, got {quote(value)}")
-        for name in POSITIVE_SECONDS:
-            value = getattr(self, name)
-            if value is not None and not 0 < value <= MAX_SECONDS:
-                raise ValueError(f"{name} must be in (0, {MAX_SECONDS:g}] s, got {quote(value)}")
-        for name in ("max_sources", "max_running_requests", "max_active_workflows"):
-            if not 1 <= getattr(self, name) <= 10_000_000:
-                raise ValueError(f"{name} must be in [1, 10000000], got {getattr(self, name)}")
-        if self.heap_trim_interval_s < 0:
-            raise ValueError("heap_trim_interval_s must be >= 0 (0 turns it off)")
-        if self.shed_above_frames >= self.ingest_queue_frames:
-            raise ValueError("shed_above_frames must be below ingest_queue_frames")
-        if self.history_cpu_budget < 0:
-            raise ValueError("history_cpu_budget must be >= 0 (0: no budget)")
-        if self.token is not None and not self.token.strip():
-            raise ValueError("token is empty")
+        """Raise ``ValueError`` unless every value is valid (a copy made by ``replace()`` was
+        not validated) and the HTTP API stays on loopback or has a token (or is told
+        ``allow_open_http``)."""
+        probe = self.model_copy()
+        try:
+            self.__pydantic_validator__.validate_python(self.model_dump(), self_instance=probe)
+        except ValidationError as exc:
+            raise ValueError(_explain(FIXED_WORDS, exc)) from None
         if not self.token and not self.allow_open_http and not is_loopback(self.http_host):
             raise ValueError(
                 f"refusing to serve the HTTP API on {quote(self.http_host, 80)} without a token: "
                 "anyone who reaches it could change settings and read the history. Set one "
                 "(POLICYD_API_TOKEN, or --token-file / POLICYD_TOKEN_FILE), bind loopback, or "
                 "say --allow-open-http (POLICYD_ALLOW_OPEN_HTTP=true)"
-            )
-        if self.history_writer not in HISTORY_WRITERS:
-            raise ValueError(
-                f"unknown history_writer {quote(self.history_writer)}; valid: "
-                f"{', '.join(HISTORY_WRITERS)}"
             )
 
     @property
@@ -295,15 +331,73 @@ class DaemonSettings:
         return base / (self.db.stem + ".model.ckpt")
 
     def replace(self, **changes: object) -> DaemonSettings:
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+        """A copy with ``changes`` (field names), not validated: see ``check()``."""
+        return self.model_copy(update=changes)
+
+    @classmethod
+    def env_name(cls, name: str) -> str:
+        """The environment variable that sets field ``name``."""
+        alias = cls.model_fields[name].validation_alias
+        return alias if isinstance(alias, str) else ENV_PREFIX + name.upper()
+
+    @classmethod
+    def setting_fields(cls) -> list[FieldFacts]:
+        """Every setting's type, choices, bounds, help and default, in declaration order."""
+        return list(FIXED_FACTS.values())
 
     @classmethod
     def describe(cls) -> list[tuple[str, str, str]]:
         """(field, environment variable, help) for every setting: the documentation."""
-        return [
-            (f.name, f.metadata.get("env", ENV_PREFIX + f.name.upper()), f.metadata["help"])
-            for f in fields(cls)
-        ]
+        return [(f.name, cls.env_name(f.name), f.help) for f in cls.setting_fields()]
+
+
+FIXED_FACTS: Final = facts_of(DaemonSettings.model_fields)
+FIXED_WORDS: Final = ErrorWording(
+    FIXED_FACTS,
+    {DaemonSettings.env_name(name): name for name in FIXED_FACTS},
+    unknown_choice=True,
+)
+
+
+def _explain(words: ErrorWording, exc: ValidationError) -> str:
+    return "; ".join(words.explain_all(exc.errors()).values())
+
+
+@dataclass(frozen=True, slots=True)
+class Provenance:
+    """Where each setting's value came from when ``DaemonSettings`` refused it: the flag
+    (named plainly), the environment variable (``POLICYD_X='bad': ...``) or the settings file
+    (``settings file PATH: ...``)."""
+
+    settings_cls: type[DaemonSettings]
+    flags: Mapping[str, object]
+
+    def explain(self, exc: ValidationError) -> str:
+        messages = []
+        for error in exc.errors():
+            name = FIXED_WORDS.field_name(error)
+            messages.append(self.origin(name) + FIXED_WORDS.explain(error))
+        return "; ".join(dict.fromkeys(messages))
+
+    def origin(self, name: str) -> str:
+        if not name or name in self.flags:
+            return ""
+        if name in self.settings_cls.model_fields:
+            env = self.settings_cls.env_name(name)
+            raw = _environ_lower().get(env.lower())
+            if raw is not None:
+                return f"{env}={quote(raw)}: "
+        path = self.flags.get(CONFIG_FIELD) or _environ_lower().get(
+            self.settings_cls.env_name(CONFIG_FIELD).lower()
+        )
+        if path and name in read_settings_file(Path(str(path)), self.settings_cls.model_fields):
+            return f"settings file {path}: "
+        return ""
+
+
+def _environ_lower() -> dict[str, str]:
+    """The environment as pydantic-settings reads it (names case-insensitive)."""
+    return {key.lower(): value for key, value in os.environ.items()}
 
 
 def is_loopback(host: str) -> bool:
@@ -331,39 +425,143 @@ def _read_token(path: Path) -> str:
     return token
 
 
-def _parse(kind: object, raw: str) -> object:
-    text = str(kind)
-    if text == "bool":
-        if raw.strip().lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
-            raise ValueError("expected true/false (1/0, yes/no, on/off)")
-        return raw.strip().lower() in ("1", "true", "yes", "on")
-    if "Path" in text:
-        return Path(raw)
-    if text.startswith("int"):
-        return int(raw)
-    if text.startswith("float"):
-        return float(raw)
-    return raw
-
-
 def online_policies() -> list[str]:
-    """Registered policies the daemon can run (offline oracles need the future)."""
+    """Registered policies the daemon can run (offline oracles need the future): the names
+    the settings declare (``policyd.core.names.ONLINE_POLICY_NAMES``), read from the registry
+    itself, which costs seconds to import."""
+    from policyd.policies import POLICIES  # noqa: PLC0415 - see the docstring
+
     return sorted(name for name, cls in POLICIES.items() if cls.ordering != "oracle")
 
 
 # ---- live tunables -------------------------------------------------------------------------------
 
 
+class Tunables(BaseModel):
+    """The live knobs (names final; docs/API.md), in display order, with their defaults.
+
+    Values are taken as they are (no conversion but int -> float): ``true`` is no integer and
+    ``"3"`` no number. Every number has a range inside which the daemon keeps working: a sizing
+    of 1e308 GiB or a snapshot every 1e-300 s are refused, not applied."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+
+    policy: PolicyName = Field(default="pbkv", description="Eviction/admission/prefetch policy.")
+    lookahead_k: int = Field(
+        default=3, ge=1, le=8, description="Steps of next-agent lookahead (PBKV's K)."
+    )
+    discount: float = Field(
+        default=0.8,
+        gt=0.0,
+        le=1.0,
+        description="Weight of step k+1 relative to step k in the lookahead score (PBKV's gamma).",
+    )
+    prefetch_budget_blocks: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_BLOCKS_SETTING,
+        description="Blocks staged/prefetched per snapshot (0: no prefetch).",
+    )
+    write_filter_mode: Literal["none", "fixed", "conditioned"] = Field(
+        default="conditioned",
+        description="Host-tier write filter of policies that have one (efficientagent): none = "
+        "write all, fixed = always decline large refills, conditioned = only under pressure.",
+    )
+    write_filter_kappa_chunks: int = Field(
+        default=8,
+        ge=1,
+        le=MAX_BLOCKS_SETTING,
+        description="A request adding more than this many new chunks (1024 tokens each) is a "
+        "large refill the filter may decline (EfficientAgent's kappa).",
+    )
+    write_filter_theta: float = Field(
+        default=0.95,
+        gt=0.0,
+        le=1.0,
+        description="Host-tier occupancy at or above which the tier counts as under pressure "
+        "(write filter).",
+    )
+    recency_guard: Literal["on", "off"] = Field(
+        default="on",
+        description="agentkv: publish vLLM's default (LRU, store everything) while its learned "
+        "decisions hit less than a shadow LRU estimates (policies/guard.py).",
+    )
+    host_tier_gib: float = Field(
+        default=256.0,
+        ge=0.0,
+        le=MAX_HOST_TIER_GIB,
+        description="Current host-tier size (sizing and pressure).",
+    )
+    block_sample_rate: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=1.0,
+        description="Share of block-level rows the history keeps at most (halved while its "
+        "writer is behind).",
+    )
+    snapshot_interval_s: float = Field(
+        default=0.5, ge=0.05, le=3600.0, description="Seconds between published snapshots."
+    )
+    history_publish_interval_s: float = Field(
+        default=30.0,
+        ge=1.0,
+        le=86400.0,
+        description="Seconds between published history snapshot files (what SQL reads).",
+    )
+
+
+def _unset() -> None:
+    return None
+
+
+def _none_required(model: type[BaseModel], name: str, doc: str) -> type[BaseModel]:
+    """``model``'s fields with the same types, bounds and help, none required and no others
+    allowed: a change set. A key given must hold a valid value (``null`` is none); read the
+    keys given with ``model_dump(exclude_unset=True)``."""
+    fields: dict[str, Any] = {
+        key: (
+            Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation,
+            Field(default_factory=_unset, description=info.description),
+        )
+        for key, info in model.model_fields.items()
+    }
+    return create_model(name, __config__=model.model_config, __doc__=doc, **fields)
+
+
+TunablesChange: Final = _none_required(
+    Tunables,
+    "TunablesChange",
+    "A change of some tunables: each key given is validated as in Tunables; all or none apply.",
+)
+TUNABLE_FACTS: Final = facts_of(Tunables.model_fields)
+TUNABLE_WORDS: Final = ErrorWording(TUNABLE_FACTS, {})
+
+
 @dataclass(frozen=True, slots=True)
 class Tunable:
+    """One tunable as the API lists it (``describe``), read from the ``Tunables`` field."""
+
     key: str
     type: type
     default: object
     help: str
-    choices: tuple[str, ...] | None = None
-    min: float | None = None
-    max: float | None = None
-    min_exclusive: bool = False
+    choices: tuple[str, ...] | None
+    min: float | None
+    max: float | None
+    min_exclusive: bool
+
+    @classmethod
+    def of(cls, facts: FieldFacts) -> Tunable:
+        return cls(
+            key=facts.name,
+            type=facts.type,
+            default=facts.default,
+            help=facts.help,
+            choices=facts.choices,
+            min=facts.bounds.low,
+            max=facts.bounds.high,
+            min_exclusive=facts.bounds.low_exclusive,
+        )
 
     def range_text(self) -> str:
         """The declared range, as error messages and the docs show it: ``(0, 1]``."""
@@ -371,31 +569,6 @@ class Tunable:
             return "one of " + ", ".join(self.choices)
         low = "(" if self.min_exclusive else "["
         return f"{low}{_number(self.min)}, {_number(self.max)}]"
-
-    def check(self, value: object) -> object:
-        """The value converted to ``type``, or ``ValueError`` saying what is wrong (the range
-        named, the bad value quoted to at most ``QUOTE_CHARS`` characters)."""
-        if self.type is int:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{self.key} must be an integer, got {quote(value)}")
-        elif self.type is float:
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"{self.key} must be a number, got {quote(value)}")
-            value = float(value)
-            if not math.isfinite(value):
-                raise ValueError(
-                    f"{self.key} must be a finite number in {self.range_text()}, got {quote(value)}"
-                )
-        elif not isinstance(value, str):
-            raise ValueError(f"{self.key} must be a string, got {quote(value)}")
-        if self.choices is not None and value not in self.choices:
-            raise ValueError(f"{self.key} must be {self.range_text()}, got {quote(value)}")
-        if isinstance(value, int | float):
-            assert self.min is not None and self.max is not None  # declared (tunables())
-            below = value <= self.min if self.min_exclusive else value < self.min
-            if below or value > self.max:
-                raise ValueError(f"{self.key} must be in {self.range_text()}, got {quote(value)}")
-        return value
 
     def describe(self, value: object) -> dict[str, object]:
         return {
@@ -410,73 +583,43 @@ class Tunable:
         }
 
 
-MAX_BLOCKS_SETTING: Final = 1_000_000  # prefetch budget, write-filter kappa
-MAX_HOST_TIER_GIB: Final = 1024.0 * 1024.0  # 1 PiB: host blocks stay a finite integer
-
-
 def _number(value: float | None) -> str:
-    """1048576.0 -> '1048576', 0.05 -> '0.05' (a range as people write it)."""
-    if value is None:
-        return "?"
-    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+    return "?" if value is None else number_text(value)
 
 
 def tunables() -> dict[str, Tunable]:
-    """The live knobs (names final; HTTP_API.md), in display order. Every number has a range
-    (``min``..``max``) inside which the daemon keeps working: a sizing of 1e308 GiB or a
-    snapshot every 1e-300 s are refused, not applied."""
-    items = [
-        Tunable("policy", str, "pbkv", "Eviction/admission/prefetch policy.",
-                choices=tuple(online_policies())),
-        Tunable("lookahead_k", int, 3, "Steps of next-agent lookahead (PBKV's K).", min=1, max=8),
-        Tunable("discount", float, 0.8, "Weight of step k+1 relative to step k in the lookahead "
-                "score (PBKV's gamma).", min=0.0, max=1.0, min_exclusive=True),
-        Tunable("prefetch_budget_blocks", int, 0, "Blocks staged/prefetched per snapshot "
-                "(0: no prefetch).", min=0, max=MAX_BLOCKS_SETTING),
-        Tunable("write_filter_mode", str, "conditioned", "Host-tier write filter of policies "
-                "that have one (efficientagent): none = write all, fixed = always decline large "
-                "refills, conditioned = only under pressure.",
-                choices=("none", "fixed", "conditioned")),
-        Tunable("write_filter_kappa_chunks", int, 8, "A request adding more than this many new "
-                "chunks (1024 tokens each) is a large refill the filter may decline "
-                "(EfficientAgent's kappa).", min=1, max=MAX_BLOCKS_SETTING),
-        Tunable("write_filter_theta", float, 0.95, "Host-tier occupancy at or above which the "
-                "tier counts as under pressure (write filter).", min=0.0, max=1.0,
-                min_exclusive=True),
-        Tunable("recency_guard", str, "on", "agentkv: publish vLLM's default (LRU, store "
-                "everything) while its learned decisions hit less than a shadow LRU estimates "
-                "(policies/guard.py).", choices=("on", "off")),
-        Tunable("host_tier_gib", float, 256.0, "Current host-tier size (sizing and pressure).",
-                min=0.0, max=MAX_HOST_TIER_GIB),
-        Tunable("block_sample_rate", float, 1.0,
-                "Share of block-level rows the history keeps at most (halved while its writer "
-                "is behind).", min=0.0, max=1.0, min_exclusive=True),
-        Tunable("snapshot_interval_s", float, 0.5, "Seconds between published snapshots.",
-                min=0.05, max=3600.0),
-        Tunable("history_publish_interval_s", float, 30.0, "Seconds between published history "
-                "snapshot files (what SQL reads).", min=1.0, max=86400.0),
-    ]  # fmt: skip
-    return {t.key: t for t in items}
+    """The live knobs in display order (``Tunables``' fields)."""
+    return {key: Tunable.of(facts) for key, facts in TUNABLE_FACTS.items()}
+
+
+def tunables_schema() -> dict[str, Any]:
+    """The JSON Schema of ``Tunables``: per key its type, bounds (``minimum`` or
+    ``exclusiveMinimum``, ``maximum``), choices (``enum``), help (``description``), default."""
+    return Tunables.model_json_schema()
 
 
 def validate_tunables(changes: Mapping[str, object]) -> tuple[dict[str, object], dict[str, str]]:
-    """(converted values, errors per key). Apply only when ``errors`` is empty."""
-    known = tunables()
-    good: dict[str, object] = {}
+    """(converted values, errors per key). Apply only when ``errors`` is empty. Each key is
+    judged on its own: the good ones are converted even when others are refused."""
     errors: dict[str, str] = {}
-    for key, value in changes.items():
-        tunable = known.get(key)
-        if tunable is None:
-            errors[key[:QUOTE_CHARS]] = f"unknown setting {quote(key)}; valid: {', '.join(known)}"
-            continue
-        try:
-            good[key] = tunable.check(value)
-        except ValueError as exc:
-            errors[key] = str(exc)
-    return good, errors
+    bad: set[object] = set()
+    for key in changes:
+        if not isinstance(key, str):
+            errors[quote(key)] = f"unknown setting {quote(key)}; valid: {', '.join(TUNABLE_FACTS)}"
+            bad.add(key)
+    try:
+        TunablesChange.model_validate({k: v for k, v in changes.items() if k not in bad})
+    except ValidationError as exc:
+        for error in exc.errors():
+            if error["loc"]:
+                bad.add(error["loc"][0])
+        errors.update(TUNABLE_WORDS.explain_all(exc.errors()))
+    valid = TunablesChange.model_validate({k: v for k, v in changes.items() if k not in bad})
+    good: dict[str, object] = valid.model_dump(exclude_unset=True)
+    return good, {key[:QUOTE_CHARS]: message for key, message in errors.items()}
 
 
 def default_tunables(policy: str) -> dict[str, object]:
-    values = {key: t.default for key, t in tunables().items()}
+    values: dict[str, object] = Tunables().model_dump()
     values["policy"] = policy
     return values

@@ -1,5 +1,5 @@
-"""Tuning: the daemon's settings (GET /api/settings) as a form built from their metadata; a change
-is PUT to the daemon, which validates it (its error is shown verbatim), applies it live and
+"""Tuning: the daemon's settings (GET /api/settings) as a form built from their JSON Schema; a
+change is PUT to the daemon, which validates it (its error is shown verbatim), applies it live and
 records it in the settings history (GET /api/settings/history)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import streamlit as st
 
 from ui import connection, settings_form, tables
-from ui.client import ApiError, DaemonRejectedError
+from ui.client import ApiError, DaemonRejectedError, LiveSettings
 
 st.title("Tuning")
 st.caption(
@@ -16,22 +16,23 @@ st.caption(
 )
 
 api = connection.client()
+live: LiveSettings | None = None
 try:
-    settings = api.settings()
+    live = api.live_settings()
 except ApiError as err:
     connection.banner(err, what="the settings")
-    settings = []
 
-if settings:
-    settings_form.sync_widgets(settings)
+if live is not None:
+    fields = settings_form.form_fields(live.schema)
+    settings_form.sync_widgets(fields, live.values)
     with st.form("settings"):
         columns = st.columns(2)
-        for index, setting in enumerate(settings):
+        for index, field in enumerate(fields):
             with columns[index % 2]:
-                settings_form.widget(setting)
+                settings_form.widget(field)
         submitted = st.form_submit_button("Apply changes", type="primary")
     if submitted:
-        changes = settings_form.changes(settings)
+        changes = settings_form.changes(fields, live.values)
         if not changes:
             st.info("Nothing changed.")
         else:
@@ -44,7 +45,7 @@ if settings:
             except ApiError as err:
                 connection.banner(err, what="the settings update")
             else:
-                settings_form.mark_applied(applied)
+                settings_form.mark_applied(settings_form.values_of(applied))
                 summary = ", ".join(f"`{k}` = `{v}`" for k, v in changes.items())
                 st.success(f"Applied live: {summary}")
 
