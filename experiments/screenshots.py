@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import shutil
 import socket
@@ -36,7 +37,8 @@ from playwright.sync_api import Error as PlaywrightError
 from experiments.ui_demo import start_live_daemon
 from ui.views import PAGES
 
-APP: Final = Path(__file__).resolve().parent / "app.py"
+# the dashboard Streamlit runs, found without importing it (importing it runs the app)
+APP: Final = Path(importlib.util.find_spec("ui.app").origin or "ui/app.py")  # type: ignore[union-attr]
 WINDOW: Final = (1400, 1800)
 PAGE_TIMEOUT_S: Final = 120.0  # a loaded CI machine runs a page's script slowly, not never
 STARTUP_TIMEOUT_S: Final = 60.0

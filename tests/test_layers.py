@@ -37,6 +37,13 @@ def forbidden() -> dict[str, tuple[str, ...]]:
     """Layer -> the module prefixes it must not import: the experiments for every serving
     package, and for each of policyd's layers every package on its level or above but itself."""
     banned: dict[str, tuple[str, ...]] = {p: EXPERIMENTS for p in ("policyd", "connector", "ui")}
+    # the dashboard speaks to the daemon over HTTP only; the connector ships core/ and tiers/
+    banned["ui"] = (*EXPERIMENTS, "policyd")
+    shipped = ("policyd.core", "policyd.tiers")
+    banned["connector"] = (
+        *EXPERIMENTS,
+        *(p for level in LAYERS for p in level if p not in shipped),
+    )
     for level, packages in enumerate(LAYERS):
         above = tuple(p for higher in LAYERS[level:] for p in higher)
         for package in packages:
@@ -155,6 +162,14 @@ def test_no_layer_imports_one_above_it() -> None:
 def test_an_upward_import_is_named() -> None:
     graph = {"policyd.policies.virtual": {"policyd.sim.cache", "policyd.core.queues"}}
     assert upward_imports(graph) == ["policyd.policies.virtual -> policyd.sim.cache"]
+    graph = {
+        "connector.runtime": {"policyd.sim.cache", "policyd.tiers.gpu", "policyd.core.types"},
+        "ui.app": {"policyd.core.types", "ui.client"},
+    }
+    assert upward_imports(graph) == [
+        "connector.runtime -> policyd.sim.cache",
+        "ui.app -> policyd.core.types",
+    ]
 
 
 def test_the_serving_packages_never_import_the_experiments() -> None:
