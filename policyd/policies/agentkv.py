@@ -42,7 +42,12 @@ from policyd.policies.gpu_ranking import GpuRanking
 from policyd.policies.guard import RecencyGuard
 from policyd.policies.host_order import HostOrder
 from policyd.policies.lifecycle import Lifecycle
-from policyd.policies.lookahead import Lookahead, NextCallPrefetch, PredictorTrust
+from policyd.policies.lookahead import (
+    Lookahead,
+    NextCallPrefetch,
+    PredictorSurface,
+    PredictorTrust,
+)
 from policyd.policies.outputs import CallOutputs
 from policyd.policies.pacing import WorkflowPacing
 from policyd.policies.rankings import Values, disjoint, summed, to_groups
@@ -50,7 +55,7 @@ from policyd.policies.referee import RankingReferee
 from policyd.policies.steps import StepsRanking
 
 
-class AgentKV(ScoredPolicy):
+class AgentKV(PredictorSurface, ScoredPolicy):
     """The parts, wired to the policy contract.
 
     Parameters: the lookahead's and prefetch's as ``pbkv`` takes them (``k``, ``discount``,
@@ -125,30 +130,6 @@ class AgentKV(ScoredPolicy):
         self.configure_tiers(gpu_blocks=gpu_blocks, host_blocks=host_blocks)
 
     # -- the public surface ----------------------------------------------------------------------
-
-    @property
-    def predictor(self) -> Predictor:
-        return self.lookahead.predictor
-
-    @property
-    def retired(self) -> set[int]:
-        return self.lifecycle.retired
-
-    @retired.setter
-    def retired(self, blocks: set[int]) -> None:
-        self.lifecycle.retired = blocks
-
-    @property
-    def calls_seen(self) -> int:
-        return self.trust.calls_seen
-
-    @calls_seen.setter
-    def calls_seen(self, calls: int) -> None:
-        self.trust.calls_seen = calls
-
-    @property
-    def degraded(self) -> bool:
-        return self.trust.degraded
 
     @property
     def ranking(self) -> str:

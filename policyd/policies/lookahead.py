@@ -17,6 +17,7 @@ from __future__ import annotations
 from policyd.core.state import EngineState
 from policyd.core.types import Event, RequestStarted, WorkflowFinished
 from policyd.models.predictor import END, MIN_BRANCH, Forecast, Predictor
+from policyd.policies.lifecycle import Lifecycle
 from policyd.policies.rankings import Key, Values
 
 
@@ -158,3 +159,38 @@ class NextCallPrefetch:
                     if len(out) >= budget_blocks:
                         return out
         return out
+
+
+class PredictorSurface:
+    """What the daemon reads and sets on a policy built around the predictor (``pbkv``,
+    ``agentkv``), delegated to the parts that own it: the shared ``predictor``, the ``retired``
+    blocks, the ``calls_seen`` the trust gate counts and whether it is ``degraded``. A policy
+    using it has ``lookahead``, ``lifecycle`` and ``trust`` attributes."""
+
+    lookahead: Lookahead
+    lifecycle: Lifecycle
+    trust: PredictorTrust
+
+    @property
+    def predictor(self) -> Predictor:
+        return self.lookahead.predictor
+
+    @property
+    def retired(self) -> set[int]:
+        return self.lifecycle.retired
+
+    @retired.setter
+    def retired(self, blocks: set[int]) -> None:
+        self.lifecycle.retired = blocks
+
+    @property
+    def calls_seen(self) -> int:
+        return self.trust.calls_seen
+
+    @calls_seen.setter
+    def calls_seen(self, calls: int) -> None:
+        self.trust.calls_seen = calls
+
+    @property
+    def degraded(self) -> bool:
+        return self.trust.degraded

@@ -24,13 +24,18 @@ from policyd.core.state import EngineState
 from policyd.core.types import Event, PolicySnapshot, ScoredBlocks, score_map
 from policyd.models.predictor import MIN_BRANCH, Predictor
 from policyd.policies.lifecycle import RETIRED_SCORE, Lifecycle
-from policyd.policies.lookahead import Lookahead, NextCallPrefetch, PredictorTrust
+from policyd.policies.lookahead import (
+    Lookahead,
+    NextCallPrefetch,
+    PredictorSurface,
+    PredictorTrust,
+)
 from policyd.policies.rankings import to_groups
 
 __all__ = ["PBKV", "RETIRED_SCORE"]
 
 
-class PBKV(ScoredPolicy):
+class PBKV(PredictorSurface, ScoredPolicy):
     """The lookahead ranking, the lifecycle, the trust gate and the prefetch, wired.
 
     Public surface the daemon relies on: ``predictor`` (shared when given), ``retired`` and
@@ -66,30 +71,6 @@ class PBKV(ScoredPolicy):
         )
         self.lifecycle = Lifecycle()
         self.prefetcher = NextCallPrefetch(self.lookahead, min_probability=prefetch_min_probability)
-
-    @property
-    def predictor(self) -> Predictor:
-        return self.lookahead.predictor
-
-    @property
-    def retired(self) -> set[int]:
-        return self.lifecycle.retired
-
-    @retired.setter
-    def retired(self, blocks: set[int]) -> None:
-        self.lifecycle.retired = blocks
-
-    @property
-    def calls_seen(self) -> int:
-        return self.trust.calls_seen
-
-    @calls_seen.setter
-    def calls_seen(self, calls: int) -> None:
-        self.trust.calls_seen = calls
-
-    @property
-    def degraded(self) -> bool:
-        return self.trust.degraded
 
     def observe(self, event: Event, state: EngineState) -> None:
         self.trust.observe(event)
