@@ -1,6 +1,6 @@
 """Screenshots of every dashboard page in headless Chromium, and a check that they are not blank.
 
-``policyd screenshots --api http://127.0.0.1:8470 --out docs/ui`` starts ``streamlit run
+``policyd screenshots --api http://127.0.0.1:8470 --out docs/figures/ui`` starts ``streamlit run
 ui/app.py`` on a free port, waits for ``/_stcore/health``, and has Debian's ``chromium``, driven
 through Playwright, load each page and save ``<out>/<page>.png`` once the page is done: Streamlit
 marks its app element ``data-test-script-state="notRunning"`` when the page's script has finished,
@@ -255,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--api", default=os.environ.get("POLICYD_API_URL", "http://127.0.0.1:8470"))
     parser.add_argument("--token", default=os.environ.get("POLICYD_API_TOKEN"))
-    parser.add_argument("--out", type=Path, default=Path("docs/ui"))
+    parser.add_argument("--out", type=Path, default=Path("docs/figures/ui"))
     parser.add_argument("--page", action="append", help="only these pages (repeatable)")
     parser.add_argument(
         "--demo",

@@ -1,7 +1,7 @@
 """Altair (Vega-Lite) charts for the dashboard, built from the frames in ``ui.tables``.
 
 Vega-Lite is what ``st.altair_chart`` renders, so the same chart appears in the browser, in
-Streamlit's AppTest (``at.get("vega_lite_chart")``) and in the screenshots under docs/ui/.
+Streamlit's AppTest (``at.get("vega_lite_chart")``) and in the screenshots under docs/figures/ui/.
 """
 
 from __future__ import annotations
