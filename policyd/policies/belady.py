@@ -6,7 +6,7 @@ take the deeper block, so a prefix's parents outlive its tail. A block is cached
 use comes before that of the block it would displace - never-reused blocks are not stored.
 
 In a closed loop the order of calls depends on the policy itself; the simulator gives the oracle
-the order observed in a previous replay (see ``policyd.sim.replay.belady_order``).
+the order observed in a previous replay (see ``policyd.sim.replay.simulate``).
 """
 
 from __future__ import annotations

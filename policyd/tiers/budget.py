@@ -9,8 +9,8 @@ anything still unused, so neither starves the other. ``adopt`` starts a new snap
 hands the view to the host order once the plan's recount is done, and charges the adopting
 step ``ADOPT_COST_OPS`` (a view refreshed, an old plan dropped, a new one started, its first
 work on cold caches; connector.bench_step times it). The connector (``GpuTier``) and the simulator
-(``Simulator._step_plan``) both run it, at the same points and in the same batches of
-``BATCH_OPS`` operations, so they stay in step.
+(``sim.snapshots.SnapshotApplier.step_plan``) both run it, at the same points and in the same
+batches of ``BATCH_OPS`` operations, so they stay in step.
 
 The connector adds a deadline (``run``'s ``over``): before each batch it asks whether the
 scheduler step has already spent its share of the connector's time (every hook's, measured),
