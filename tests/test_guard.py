@@ -1,5 +1,7 @@
-"""The recency guard (policyd/policies/guard.py): its shadow LRU against a reference LRU, its
-windows, and agentkv publishing vLLM's default while the guard holds it."""
+"""The recency guard (policyd/policies/guard.py) and its shadows (policies/shadow.py): the
+default shadow against a reference two-tier LRU, the learned shadow applying snapshots as the
+connector does, the paired verdict, and agentkv publishing vLLM's default while the guard holds
+it."""
 
 from __future__ import annotations
 
@@ -11,120 +13,222 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policyd.core.engine import Engine
-from policyd.core.types import PrefixHit, RequestFinished, RequestStarted
+from policyd.core.types import (
+    PolicySnapshot,
+    PrefixHit,
+    RequestFinished,
+    RequestStarted,
+    ScoredBlocks,
+    WriteFilter,
+    score_map,
+)
 from policyd.policies.agentkv import AgentKV
 from policyd.policies.guard import RecencyGuard
-
-
-def started(rid: str, blocks: tuple[int, ...], wf: str = "w") -> RequestStarted:
-    return RequestStarted(
-        ts=0.0, request_id=rid, workflow_id=wf, agent="a", block_hashes=blocks, prompt_tokens=0
-    )
-
-
-def hit(rid: str, blocks: int) -> PrefixHit:
-    return PrefixHit(ts=0.0, request_id=rid, gpu_blocks=blocks, host_blocks=0, recomputed_blocks=0)
-
-
-def reference_prefix_hits(requests: list[tuple[int, ...]], capacity: int) -> list[int]:
-    """Prefix hits of a plain LRU of ``capacity`` blocks, every block of a request touched, its
-    first block last (vLLM frees a request's blocks tail first)."""
-    stack: OrderedDict[int, None] = OrderedDict()
-    out = []
-    for blocks in requests:
-        n = 0
-        for b in blocks:
-            if b not in stack:
-                break
-            n += 1
-        out.append(n)
-        for b in reversed(blocks):
-            stack[b] = None
-            stack.move_to_end(b)
-        while len(stack) > capacity:
-            stack.popitem(last=False)
-    return out
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=12, unique=True), max_size=40),
-    st.integers(1, 30),
-)
-def test_unsampled_shadow_is_exactly_a_reference_lru(
-    requests: list[list[int]], capacity: int
-) -> None:
-    guard = RecencyGuard(window=10**9)
-    guard.configure(gpu_blocks=capacity, host_blocks=0)
-    assert guard.rate == 1.0
-    reqs = [tuple(r) for r in requests]
-    expected = reference_prefix_hits(reqs, capacity)
-    for i, (blocks, want) in enumerate(zip(reqs, expected, strict=True)):
-        guard.observe(started(f"r{i}", blocks))
-        assert guard._pending[f"r{i}"][1] == want
-
-
-def test_the_shadow_samples_both_tiers_past_its_size() -> None:
-    guard = RecencyGuard(max_shadow_blocks=1000)
-    guard.configure(gpu_blocks=500, host_blocks=4000)
-    assert guard.rate == pytest.approx(1000 / 4500)
-    guard.observe(started("r", tuple(range(100_000))))
-    assert (len(guard._gpu), len(guard._host)) == (111, 889)  # each tier's sampled size
-    assert 0.20 < len(guard._pending["r"][0]) / 100_000 < 0.245
-
+from policyd.policies.shadow import BlockSampler, ShadowTiers
 
 _request_ids = count()
 
 
-def feed(guard: RecencyGuard, n: int, real: int, shadow_blocks: tuple[int, ...]) -> None:
-    """``n`` requests re-sending ``shadow_blocks`` (the shadow hits them all after the first);
-    the real tier hits ``real`` of them."""
-    for _ in range(n):
-        rid = f"q{next(_request_ids)}"
-        guard.observe(started(rid, shadow_blocks))
-        guard.observe(hit(rid, real))
+def started(blocks: tuple[int, ...], wf: str = "w", rid: str | None = None) -> RequestStarted:
+    return RequestStarted(
+        ts=0.0,
+        request_id=rid or f"q{next(_request_ids)}",
+        workflow_id=wf,
+        agent="a",
+        block_hashes=blocks,
+        prompt_tokens=0,
+    )
 
 
-def test_losing_windows_hold_recency_longer_each_time_and_winning_keeps_learning() -> None:
-    blocks = tuple(range(100))
-    guard = RecencyGuard(window=100, min_window_requests=1, hold=1, max_hold=4, tolerance=0.05)
-    guard.configure(gpu_blocks=1000, host_blocks=0)
-    feed(guard, 1, 0, blocks)  # warm the shadow (a cold miss for both)
-    assert not guard.learned  # starts in recency: a window calibrates
-    feed(guard, 1, 100, blocks)  # vLLM's default hits what the shadow says
-    assert guard.learned and guard.calibration == pytest.approx(1.0)
-    feed(guard, 1, 100, blocks)  # learned ties: stays
+def reference_two_tier_lru(
+    requests: list[tuple[int, ...]], gpu_capacity: int, host_capacity: int
+) -> list[int]:
+    """Prefix hits of vLLM's default written plainly: a GPU LRU (a request's blocks touched, its
+    first block last, at its start and again at its finish) and a host LRU that stores every
+    computed block and touches the loaded ones (not those the GPU hit)."""
+    gpu: OrderedDict[int, None] = OrderedDict()
+    host: OrderedDict[int, None] = OrderedDict()
+
+    def touch(tier: OrderedDict[int, None], blocks: tuple[int, ...], capacity: int) -> None:
+        for b in reversed(blocks):
+            tier[b] = None
+            tier.move_to_end(b)
+        while len(tier) > capacity:
+            tier.popitem(last=False)
+
+    out = []
+    for blocks in requests:
+        on_gpu = 0
+        while on_gpu < len(blocks) and blocks[on_gpu] in gpu:
+            on_gpu += 1
+        hits = on_gpu
+        while hits < len(blocks) and blocks[hits] in host:
+            hits += 1
+        out.append(hits)
+        if host_capacity:
+            computed, loaded = blocks[hits:], blocks[on_gpu:hits]
+            touch(host, computed, 1 << 30)
+            touch(host, loaded, host_capacity)
+        touch(gpu, blocks, gpu_capacity)  # started
+        touch(gpu, blocks, gpu_capacity)  # finished
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=12, unique=True), max_size=40),
+    st.integers(1, 30),
+    st.integers(0, 30),
+)
+def test_the_default_shadow_unsampled_is_exactly_a_reference_two_tier_lru(
+    requests: list[list[int]], gpu_capacity: int, host_capacity: int
+) -> None:
+    shadow = ShadowTiers()
+    shadow.configure(gpu_capacity=gpu_capacity, host_capacity=host_capacity, rate=1.0)
+    reqs = [tuple(r) for r in requests]
+    expected = reference_two_tier_lru(reqs, gpu_capacity, host_capacity)
+    for blocks, want in zip(reqs, expected, strict=True):
+        assert shadow.start("w", blocks, tuple(range(len(blocks))), len(blocks)) == want
+        shadow.finish(blocks)
+
+
+def test_the_shadows_sample_both_tiers_past_their_size() -> None:
+    guard = RecencyGuard(max_shadow_blocks=1000)
+    guard.configure(gpu_blocks=500, host_blocks=4000)
+    assert guard.rate == pytest.approx(1000 / 4500)
+    event = started(tuple(range(100_000)))
+    guard.observe(event)
+    assert 0.20 < guard.counters.sampled_refs / 100_000 < 0.245
+    assert len(guard.default.gpu.refs) == guard.counters.sampled_refs  # held while it runs
+    guard.observe(RequestFinished(ts=0.0, request_id=event.request_id, output_tokens=0))
+    for shadow in (guard.default, guard.follower):  # each tier's sampled size
+        assert (len(shadow.gpu), len(shadow.host)) == (111, 889)
+
+
+def test_the_learned_shadow_ranks_only_what_its_gpu_caches_highest_first() -> None:
+    shadow = ShadowTiers()
+    shadow.configure(gpu_capacity=10, host_capacity=0, rate=1.0)
+    shadow.start("w", (1, 2, 3), (0, 1, 2), 3)
+    shadow.finish((1, 2, 3))
+    snap = PolicySnapshot(version=1, ts=0.0, ttl_s=5.0, policy="agentkv")
+    shadow.adopt(snap, {1: 0.5, 3: 2.0, 99: 9.0, 2: -1.0})
+    assert shadow.view is not None and shadow.view.top == (3, 1)
+
+
+A = (1, 2, 3, 4, 5)  # a prompt re-sent now and then
+_fresh = count(1000)
+
+
+def scan() -> tuple[int, ...]:
+    return tuple(next(_fresh) for _ in range(5))
+
+
+def run(guard: RecencyGuard, snapshot: PolicySnapshot, rounds: int, resend: bool = False) -> None:
+    """``snapshot`` adopted, then rounds of: ``A``, two scans of new blocks (``resend``: a new
+    prompt, sent twice)."""
+    host = None if snapshot.host_scores is None else score_map(snapshot.host_scores)
+    guard.adopt(snapshot, score_map(snapshot.scores), host)
+    for _ in range(rounds):
+        fresh = scan()
+        for blocks in (fresh, fresh) if resend else (A, scan(), scan()):
+            event = started(blocks)
+            guard.observe(event)
+            guard.observe(RequestFinished(ts=0.0, request_id=event.request_id, output_tokens=0))
+
+
+def small_guard() -> RecencyGuard:
+    guard = RecencyGuard(window=5, min_window_requests=1)
+    guard.configure(gpu_blocks=1, host_blocks=8)  # the host tier holds A or a scan, not both
+    return guard
+
+
+KEEP_A = PolicySnapshot(
+    version=1, ts=0.0, ttl_s=5.0, policy="agentkv", host_scores=(ScoredBlocks(1.0, A),)
+)
+DECLINE_ALL = PolicySnapshot(
+    version=2,
+    ts=0.0,
+    ttl_s=5.0,
+    policy="agentkv",
+    write_filter=WriteFilter(mode="fixed", max_new_blocks=0),
+)
+
+
+def test_the_learned_shadow_applies_the_host_order_and_wins_the_learned_snapshots() -> None:
+    guard = small_guard()
+    assert not guard.learned  # vLLM's default until the sample says the learned decisions win
+    run(guard, KEEP_A, rounds=6)
+    c = guard.counters
+    # the scans push A out of the default's host tier; the learned order keeps it
+    assert c.learned_shadow_hits >= 4 * len(A) and c.default_shadow_hits == 0
+    assert guard.learned and c.switches_to_learned == 1 and c.recency_windows >= 2
+
+
+def test_a_losing_write_filter_switches_to_recency_and_back_when_it_wins_again() -> None:
+    guard = small_guard()
+    run(guard, KEEP_A, rounds=6)
     assert guard.learned
-    feed(guard, 1, 50, blocks)  # learned loses by half: beyond tolerance and noise
+    run(guard, DECLINE_ALL, rounds=1, resend=True)  # one losing window alone switches nothing
+    assert guard.learned
+    run(guard, DECLINE_ALL, rounds=5, resend=True)  # the learned shadow stores no new prompt
     assert not guard.learned and guard.counters.switches_to_recency == 1
-    feed(guard, 1, 100, blocks)  # one window of recency, then a probe
-    assert guard.learned and guard.counters.probes == 2
-    feed(guard, 1, 50, blocks)  # the probe loses: hold 2 now
-    feed(guard, 1, 100, blocks)
+    run(guard, KEEP_A, rounds=8)  # followed while recency is published: back without a probe
+    assert guard.learned and guard.counters.switches_to_learned == 2
+
+
+def test_past_wins_do_not_shield_a_new_loss() -> None:
+    guard = small_guard()
+    run(guard, KEEP_A, rounds=30)
+    wins = guard.counters.learned_shadow_hits - guard.counters.default_shadow_hits
+    assert wins > 100 and guard.learned
+    run(guard, DECLINE_ALL, rounds=4, resend=True)
     assert not guard.learned
-    feed(guard, 1, 100, blocks)
-    assert guard.learned
-    feed(guard, 3, 97, blocks)  # 3% short: within tolerance, the learned decisions stay
-    assert guard.learned and guard.counters.switches_to_recency == 2
 
 
-def test_calibration_absorbs_the_shadows_bias() -> None:
-    blocks = tuple(range(100))
-    guard = RecencyGuard(window=100, min_window_requests=1, hold=1, tolerance=0.05)
-    guard.configure(gpu_blocks=1000, host_blocks=0)
-    feed(guard, 1, 0, blocks)
-    feed(guard, 1, 80, blocks)  # vLLM's default hits 80 where the shadow says 100
-    assert guard.calibration == pytest.approx(0.8) and guard.learned
-    feed(guard, 3, 80, blocks)  # the learned decisions do as well as the default: no switch
-    assert guard.learned and guard.counters.switches_to_recency == 0
+def test_a_tie_keeps_vllms_default() -> None:
+    guard = small_guard()
+    empty = PolicySnapshot(version=1, ts=0.0, ttl_s=5.0, policy="agentkv")
+    run(guard, empty, rounds=10)
+    c = guard.counters
+    assert c.learned_shadow_hits == c.default_shadow_hits and not guard.learned
+    assert c.windows >= 10 and c.switches_to_learned == 0
+
+
+def test_the_retired_blocks_leave_the_learned_shadows_gpu_first() -> None:
+    shadow = ShadowTiers()
+    shadow.configure(gpu_capacity=10, host_capacity=0, rate=1.0)
+    shadow.start("done", (1, 2, 3), (0, 1, 2), 3)
+    shadow.finish((1, 2, 3))
+    shadow.start("live", (7, 8), (0, 1), 2)  # still running
+    retire = PolicySnapshot(
+        version=1, ts=0.0, ttl_s=5.0, policy="agentkv", retired_workflows=("done",)
+    )
+    shadow.adopt(retire, {})
+    for i in range(3):  # the plan runs at the next lookups, within the connector's budget
+        shadow.start("other", (20 + i,), (0,), 1)
+    assert {1, 2, 3}.isdisjoint(shadow.gpu.free_queue) and {7, 8} <= shadow.gpu.refs.keys()
+    assert shadow.applier.counters.retired_evicted_blocks == 3
+
+
+def test_the_real_hits_are_compared_with_the_published_shadow() -> None:
+    guard = RecencyGuard(window=10**9)
+    guard.configure(gpu_blocks=100, host_blocks=0)
+    for i in range(3):
+        event = started((1, 2, 3, 4), rid=f"r{i}")
+        guard.observe(event)
+        guard.observe(
+            PrefixHit(ts=0.0, request_id=f"r{i}", gpu_blocks=2, host_blocks=0, recomputed_blocks=2)
+        )
+        guard.observe(RequestFinished(ts=0.0, request_id=f"r{i}", output_tokens=0))
+    assert (guard.counters.real_hits, guard.counters.shadow_hits) == (6, 8)
 
 
 def test_a_request_without_a_hit_report_is_forgotten() -> None:
     guard = RecencyGuard(window=10)
     guard.configure(gpu_blocks=100, host_blocks=0)
-    guard.observe(started("r", (1, 2, 3)))
+    guard.observe(started((1, 2, 3), rid="r"))
     guard.observe(RequestFinished(ts=0.0, request_id="r", output_tokens=0))
-    assert "r" not in guard._pending
+    assert "r" not in guard._pending and "r" not in guard._running
 
 
 def test_agentkv_publishes_vllms_default_while_the_guard_holds_it() -> None:
@@ -132,11 +236,12 @@ def test_agentkv_publishes_vllms_default_while_the_guard_holds_it() -> None:
     engine = Engine(policy)
     assert policy.guard is not None and not policy.guard.learned
     for i in range(3):
-        engine.apply_event(started(f"r{i}", (1, 2, 3, 4), wf=f"w{i}"))
+        engine.apply_event(started((1, 2, 3, 4), wf=f"w{i}", rid=f"r{i}"))
     snap = engine.snapshot()
     assert snap.scores == () and snap.retired_workflows == () and snap.pin == ()
     assert snap.write_filter.mode == "none" and snap.host_scores is None
     assert policy.prefetch(8, engine.state) == []
+    assert policy.guard.follower.view is not None  # the learned shadow follows it all the same
     unguarded = AgentKV(gpu_blocks=64, host_blocks=0, guard=False)
     assert unguarded.guard is None
 
@@ -147,4 +252,6 @@ def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError):
         RecencyGuard(tolerance=1.0)
     with pytest.raises(ValueError):
-        RecencyGuard(hold=4, max_hold=2)
+        RecencyGuard(confidence=-1.0)
+    with pytest.raises(ValueError):
+        BlockSampler().configure(0.0)

@@ -26,7 +26,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("policyd.core",),  # vocabulary, wire, engine, state, the policy contract, profiles
     ("policyd.workloads",),  # what a workload is, and the generators
     ("policyd.models", "policyd.traces"),  # online models; real-trace readers
-    ("policyd.policies", "policyd.tiers"),  # the policies; applying a snapshot to tiers
+    ("policyd.tiers",),  # applying a snapshot to tiers (the connector ships it)
+    ("policyd.policies",),  # the policies (the guard's shadows apply snapshots as tiers do)
     ("policyd.sim", "policyd.history"),  # the simulator; the history store
     ("policyd.daemon",),  # the serving daemon (and the demo that drives it by a simulator)
     ("policyd.cli",),  # the command line

@@ -178,17 +178,16 @@ class AgentKV(PredictorSurface, ScoredPolicy):
         """The GPU ranking as ``scores``, the host order as ``host_scores``, retired blocks
         lowest in both, each block said once, and the write filter. Computed all the same
         while the guard holds vLLM's default (the referee and the forecasts keep learning
-        from it), but then an empty snapshot is published."""
+        from it, the guard's learned shadow applies it), but then an empty snapshot is
+        published."""
         gpu_groups, host_groups = self._ranked(state, degraded=self.trust.judge())
         retired = self.lifecycle.group(gpu_groups)
-        gpu_scores, _ = disjoint(gpu_groups if retired is None else [*gpu_groups, retired])
+        gpu_scores, score_of = disjoint(gpu_groups if retired is None else [*gpu_groups, retired])
         pressure = self.admission.pressure(state, now)
         host_scores = self.host_order.publish(
             host_groups, state, lifecycle=self.lifecycle, pressure=pressure
         )
-        if self._holding_default:
-            return PolicySnapshot(version=version, ts=now, ttl_s=ttl_s, policy=self.name)
-        return PolicySnapshot(
+        learned = PolicySnapshot(
             version=version,
             ts=now,
             ttl_s=ttl_s,
@@ -200,6 +199,12 @@ class AgentKV(PredictorSurface, ScoredPolicy):
             host_scores=host_scores,
             inherit_scores=True,
         )
+        if self.guard is None:
+            return learned
+        self.guard.adopt(learned, score_of, self.host_order.published)  # followed, always
+        if self._holding_default:
+            return PolicySnapshot(version=version, ts=now, ttl_s=ttl_s, policy=self.name)
+        return learned
 
     def block_scores(self, state: EngineState) -> dict[int, float]:
         """The synchronous path's order: the ranking the referee prefers now (not published

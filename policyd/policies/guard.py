@@ -1,58 +1,69 @@
-"""Never behind vLLM's default: a guard that measures the learned decisions against a shadow LRU
-and publishes vLLM's own behaviour while they lose.
+"""Never behind vLLM's default: a guard that runs the policy's decisions and vLLM's default side
+by side on a sample of the traffic, and publishes vLLM's own behaviour unless the policy's win.
 
-The guard watches the same traffic as the policy. A **shadow** of vLLM's default estimates
-what it would hit on it: a GPU tier in LRU order (a request's blocks become the most recent
-when it starts, and again when it finishes and vLLM frees them, tail first), and a host tier
-that stores every block the GPU computes and evicts the least recently stored or loaded (vLLM's
-offloading default: a block the GPU hits is not touched on the host). It is sampled
-SHARDS-style (Waldspurger et al., FAST 2015): a block takes part when a hash of it falls below
-``rate``, and each shadow tier holds ``rate`` times its tier, with ``rate`` chosen so that both
-together hold at most ``max_shadow_blocks``. Prefix caching is kept at the sample's
-resolution: in a request, the sampled blocks after the first sampled miss (GPU, then host)
-miss too.
+Two sampled shadows (``policies.shadow``) follow the same blocks of the same requests:
 
-For every request the ``PrefixHit`` says what really hit: its sampled blocks inside the hit
-prefix. Window by window the guard compares the two:
+* **default**: the GPU and host tiers as vLLM runs them without a snapshot (LRU on both,
+  store everything);
+* **learned**: the same tiers applying every snapshot the policy computes - the write filter,
+  the GPU plan, the host order, within the connector's budget per scheduler step - whether
+  or not it is published.
 
-* **learned** (the policy's snapshots): when the real hits since the probe began (older
-  windows fading by ``memory`` a window) fall below the shadow's calibrated estimate by more
-  than ``tolerance`` plus one standard deviation of a count that size, the next snapshots are
-  **recency** (nothing ranked, pinned, retired or declined: exactly what the connector does
-  without a snapshot, vLLM's default) for ``hold`` windows, doubled after each probe that
-  loses again (at most ``max_hold``);
-* **recency**: the real hits are vLLM's default's, so the window calibrates the shadow (the
-  ratio of real to estimated hits, smoothed; the sampled estimate is biased by where the
-  prefixes' unsampled blocks went); when the hold ends the learned snapshots are tried again.
+Each request's sampled blocks hit in both; the guard compares the two counts (a paired
+comparison: both see the same blocks, so the sample's error is common to both and cancels, and
+no calibration against the real tiers is needed). Window by window (``window`` sampled
+references and at least ``min_window_requests`` requests) it adds the window's difference
+``learned - default`` to the evidence against what it publishes (Page's CUSUM: the learned
+shadow's losses while it publishes the learned snapshots, its wins while it publishes vLLM's
+default; the sum held at zero or above, so past windows that went the published way do not
+shield a change), and switches once that evidence exceeds ``confidence`` standard deviations of
+itself (the root of its windows' squares: one window alone never switches, the windows of a
+phase are correlated) plus ``tolerance`` of the default shadow's hits in those windows:
 
-A window closes after ``window`` sampled references and at least ``min_window_requests``
-requests: a verdict on a handful of requests would follow their noise.
+* **learned**: the policy's snapshots;
+* **recency**: an empty snapshot (nothing ranked, pinned, retired or declined - exactly what the
+  connector does without a snapshot, vLLM's default).
 
-The guard starts in recency for one window, to calibrate. Its cost per event is a hash and a
-compare per block of a request, plus an ordered-dict move per sampled block
-(``policyd bench-guard`` measures it).
+It starts in recency: until the sample says the learned decisions win, vLLM's default is what
+runs, so a workload where they only tie (GPU-only chats, say) gets exactly vLLM's behaviour.
 
->>> guard = RecencyGuard(window=4, min_window_requests=1, hold=1)
+Because the learned shadow follows the snapshots while recency is published, a policy that
+starts winning is switched back as soon as its wins clear the margin, without probing on the
+real tiers. Both shadows hold a running request's blocks, its prompt's and those it caches as
+it decodes (``BlocksStored`` on the GPU), until it finishes, as vLLM's pool does.
+
+The real tiers' hits (``PrefixHit``) are compared with the shadow of what was published, as a
+check of the shadows' fidelity (``state()``'s ``real_hits`` against ``shadow_hits``); they take no
+part in the verdict.
+
+Its cost per event is a hash and a compare per block of a request, and per sampled block two
+tiers' updates and the connector's budgeted plan; per snapshot, a pass over the shadow GPU's
+blocks (``policyd bench-guard`` measures both).
+
+>>> guard = RecencyGuard(window=4, min_window_requests=1)
 >>> guard.configure(gpu_blocks=2, host_blocks=0)
->>> guard.learned
-False
+>>> guard.learned, guard.state()["switches_to_learned"]
+(False, 0)
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Final
 
-import numpy as np
-
-from policyd.core.types import Event, PrefixHit, RequestFinished, RequestStarted
+from policyd.core.types import (
+    BlocksStored,
+    Event,
+    PolicySnapshot,
+    PrefixHit,
+    RequestFinished,
+    RequestStarted,
+)
+from policyd.policies.shadow import BlockSampler, ShadowTiers
 
 MAX_SHADOW_BLOCKS: Final = 8192
 MAX_OPEN_REQUESTS: Final = 65536  # requests never reported finished are forgotten past this
-# Fibonacci hashing (multiplication modulo 2**64, numpy's uint64 wraps): spreads sequential
-# ids over 64 bits
-_MIX_U64: Final = np.uint64(0x9E3779B97F4A7C15)
 
 
 @dataclass(slots=True)
@@ -61,10 +72,12 @@ class GuardCounters:
     learned_windows: int = 0
     recency_windows: int = 0
     switches_to_recency: int = 0
-    probes: int = 0
+    switches_to_learned: int = 0
     sampled_refs: int = 0
-    real_hits: int = 0  # sampled blocks that hit, learned windows only
-    shadow_hits: int = 0  # what the calibrated shadow expected for them
+    learned_shadow_hits: int = 0  # sampled blocks the learned shadow hit
+    default_shadow_hits: int = 0  # and the default shadow
+    real_hits: int = 0  # sampled blocks the real tiers hit (requests that reported one)
+    shadow_hits: int = 0  # what the shadow of the published decisions hit on those requests
 
 
 class RecencyGuard:
@@ -73,181 +86,169 @@ class RecencyGuard:
     def __init__(
         self,
         *,
-        window: int = 4096,
-        min_window_requests: int = 32,
+        window: int = 1024,
+        min_window_requests: int = 8,
         tolerance: float = 0.01,
-        hold: int = 2,
-        max_hold: int = 32,
+        confidence: float = 1.0,
         max_shadow_blocks: int = MAX_SHADOW_BLOCKS,
-        calibration_smoothing: float = 0.3,
-        memory: float = 0.75,
     ) -> None:
-        if window < 1 or hold < 1 or max_hold < hold or max_shadow_blocks < 1:
-            raise ValueError("window, hold, max_shadow_blocks >= 1 and max_hold >= hold")
-        if not 0.0 <= tolerance < 1.0 or not 0.0 < calibration_smoothing <= 1.0:
-            raise ValueError("tolerance in [0, 1), calibration_smoothing in (0, 1]")
-        if not 0.0 <= memory < 1.0:
-            raise ValueError("memory in [0, 1)")
+        if window < 1 or max_shadow_blocks < 1:
+            raise ValueError("window and max_shadow_blocks >= 1")
+        if not 0.0 <= tolerance < 1.0 or confidence < 0.0:
+            raise ValueError("tolerance in [0, 1), confidence >= 0")
         self.window = window
         self.min_window_requests = min_window_requests
         self.tolerance = tolerance
-        self.hold = hold
-        self.max_hold = max_hold
+        self.confidence = confidence
         self.max_shadow_blocks = max_shadow_blocks
-        self.smoothing = calibration_smoothing
-        self.memory = memory
         self.counters = GuardCounters()
-        self.learned = False  # recency first: one window calibrates the shadow
-        self.calibration = 1.0  # real default hits / shadow estimate, from recency windows
-        self._calibrated = False
-        self._hold_left = 1
-        self._current_hold = hold
-        self._threshold = 1 << 64
-        self._gpu_capacity = self._host_capacity = 0
-        self._gpu: OrderedDict[int, None] = OrderedDict()  # by reference, oldest first
-        self._host: OrderedDict[int, None] = OrderedDict()  # by store or load, oldest first
-        self._pending: dict[str, tuple[tuple[int, ...], int]] = {}  # request -> positions, hits
+        self.learned = False  # vLLM's default until the sample says the learned decisions win
+        self.sampler = BlockSampler()
+        self.default = ShadowTiers()
+        self.follower = ShadowTiers()  # the learned decisions
+        self._active = False  # a tier to shadow
+        # request -> (its sampled blocks, the published shadow's hits), until its PrefixHit
+        self._pending: dict[str, tuple[tuple[int, ...], int]] = {}
         self._running: dict[str, tuple[int, ...]] = {}  # request -> its sampled blocks
-        self._real_sum = 0.0  # learned windows since the probe began, faded by ``memory``
-        self._expected_sum = 0.0
-        self._window_refs = 0
-        self._window_requests = 0
-        self._window_real = 0
-        self._window_shadow = 0
+        self._cusum = self._cusum_sq = self._cusum_default = 0.0  # the evidence for a switch
+        self._window_refs = self._window_requests = 0
+        self._window_diff = self._window_default = 0
 
     # -- set-up --------------------------------------------------------------------------------
 
     def configure(self, *, gpu_blocks: int, host_blocks: int) -> None:
-        """The tiers' sizes; the shadow starts empty."""
-        reach = max(gpu_blocks, 0) + max(host_blocks, 0)
+        """The tiers' sizes; the shadows start empty, in vLLM's default."""
+        gpu, host = max(gpu_blocks, 0), max(host_blocks, 0)
+        reach = gpu + host
         rate = min(1.0, self.max_shadow_blocks / reach) if reach else 1.0
-        self._threshold = int(rate * (1 << 64))
-        self._gpu_capacity = round(max(gpu_blocks, 0) * rate)
-        self._host_capacity = round(max(host_blocks, 0) * rate)
-        self._gpu.clear()
-        self._host.clear()
+        self.sampler.configure(rate)
+        for shadow in (self.default, self.follower):
+            shadow.configure(
+                gpu_capacity=round(gpu * rate), host_capacity=round(host * rate), rate=rate
+            )
+        self._active = reach > 0
+        self._pending.clear()
+        self._running.clear()
 
     @property
     def rate(self) -> float:
-        return self._threshold / (1 << 64)
+        return self.sampler.rate
 
-    # -- events --------------------------------------------------------------------------------
+    # -- events and snapshots ----------------------------------------------------------------
 
     def observe(self, event: Event) -> None:
         kind = type(event)
         if kind is RequestStarted:
             assert isinstance(event, RequestStarted)
-            self._started(event.request_id, event.block_hashes)
+            self._started(event)
         elif kind is PrefixHit:
             assert isinstance(event, PrefixHit)
-            self._hit(event.request_id, event.gpu_blocks + event.host_blocks)
+            self._real_hit(event.request_id, event.gpu_blocks + event.host_blocks)
+        elif kind is BlocksStored:
+            assert isinstance(event, BlocksStored)
+            if event.tier == "gpu" and event.request_id in self._running:
+                self._stored(event.request_id, event.block_hashes)
         elif kind is RequestFinished:
             assert isinstance(event, RequestFinished)
-            self._pending.pop(event.request_id, None)  # no hit reported: nothing to compare
-            self._on_gpu_last(self._running.pop(event.request_id, ()))
+            self._pending.pop(event.request_id, None)
+            self._finished(self._running.pop(event.request_id, ()))
 
-    def _started(self, request_id: str, blocks: tuple[int, ...]) -> None:
-        if not self._gpu_capacity and not self._host_capacity:
+    def adopt(
+        self,
+        snapshot: PolicySnapshot,
+        scores: Mapping[int, float],
+        host_scores: Mapping[int, float] | None = None,
+    ) -> None:
+        """The policy computed ``snapshot`` (``scores``, ``host_scores``: its two orders as
+        maps): the learned shadow applies it, as the connector would had it been published."""
+        if self._active:
+            self.follower.adopt(snapshot, scores, host_scores)
+
+    def _finished(self, sampled: tuple[int, ...]) -> None:
+        self.default.finish(sampled)
+        self.follower.finish(sampled)
+
+    def _stored(self, request_id: str, blocks: tuple[int, ...]) -> None:
+        """A running request cached more blocks on the GPU (its output, as it decodes): held
+        by it in both shadows until it finishes, as they are in vLLM's pool."""
+        held = self._running[request_id]
+        known = set(held)
+        new = tuple(b for i in self.sampler.positions(blocks) if (b := blocks[i]) not in known)
+        if new:
+            self.default.hold(new)
+            self.follower.hold(new)
+            self._running[request_id] = held + new
+
+    def _started(self, event: RequestStarted) -> None:
+        if not self._active:
             return
-        threshold = self._threshold
-        if threshold >= 1 << 64:
-            positions = tuple(range(len(blocks)))
-            sampled = blocks
-        else:
-            mixed = np.fromiter(blocks, dtype=np.uint64, count=len(blocks)) * _MIX_U64
-            positions = tuple(np.flatnonzero(mixed < np.uint64(threshold)).tolist())
-            sampled = tuple(blocks[i] for i in positions)
-        gpu, host = self._gpu, self._host
-        on_gpu = 0  # prefix caching: the GPU prefix, then the host's continuation of it
-        while on_gpu < len(sampled) and sampled[on_gpu] in gpu:
-            on_gpu += 1
-        hits = on_gpu
-        while hits < len(sampled) and sampled[hits] in host:
-            hits += 1
-        # the most recent last, a request's first block the most recent of its own: vLLM frees
-        # a request's blocks tail first, so a prefix is evicted from its end, never its start
-        for block in reversed(sampled[hits:]):  # computed: vLLM's default stores every one
-            host[block] = None
-            host.move_to_end(block)
-        for block in reversed(sampled[on_gpu:hits]):  # loaded: the host touches them
-            host.move_to_end(block)
-        self._on_gpu_last(sampled)  # all on the GPU now
-        while len(host) > self._host_capacity:
-            host.popitem(last=False)
-        if positions:
-            if len(self._pending) >= MAX_OPEN_REQUESTS:  # never reported: forget the oldest
-                self._pending.pop(next(iter(self._pending)))
-            self._pending[request_id] = (positions, hits)
-            if len(self._running) >= MAX_OPEN_REQUESTS:
-                self._running.pop(next(iter(self._running)))
-            self._running[request_id] = sampled
-
-    def _on_gpu_last(self, sampled: tuple[int, ...]) -> None:
-        """The request's blocks become the GPU's most recent, its first block last (vLLM frees
-        a request's blocks tail first). At its start, and again when it finishes and vLLM frees
-        them (a request holds its blocks while it runs)."""
-        gpu = self._gpu
-        for block in reversed(sampled):
-            gpu[block] = None
-            gpu.move_to_end(block)
-        while len(gpu) > self._gpu_capacity:
-            gpu.popitem(last=False)
-
-    def _hit(self, request_id: str, hit_blocks: int) -> None:
-        pending = self._pending.pop(request_id, None)
-        if pending is None:
+        blocks = event.block_hashes
+        positions = self.sampler.positions(blocks)
+        if not positions:
             return
-        positions, shadow = pending
-        real = sum(1 for i in positions if i < hit_blocks)
-        self._window_refs += len(positions)
+        sampled = tuple(blocks[i] for i in positions)
+        wf = event.workflow_id
+        default = self.default.start(wf, sampled, positions, len(blocks))
+        learned = self.follower.start(wf, sampled, positions, len(blocks))
+        if len(self._pending) >= MAX_OPEN_REQUESTS:  # never reported: forget the oldest
+            self._pending.pop(next(iter(self._pending)))
+        if len(self._running) >= MAX_OPEN_REQUESTS:  # never finished: its blocks let go
+            self._finished(self._running.pop(next(iter(self._running))))
+        self._pending[event.request_id] = (positions, learned if self.learned else default)
+        self._running[event.request_id] = sampled
+        c = self.counters
+        c.sampled_refs += len(sampled)
+        c.learned_shadow_hits += learned
+        c.default_shadow_hits += default
+        diff = learned - default
+        self._window_refs += len(sampled)
         self._window_requests += 1
-        self._window_real += real
-        self._window_shadow += shadow
-        self.counters.sampled_refs += len(positions)
+        self._window_diff += diff
+        self._window_default += default
         if self._window_refs >= self.window and self._window_requests >= self.min_window_requests:
             self._close_window()
 
+    def _real_hit(self, request_id: str, hit_blocks: int) -> None:
+        pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            positions, shadow = pending
+            self.counters.real_hits += sum(1 for i in positions if i < hit_blocks)
+            self.counters.shadow_hits += shadow
+
+    # -- the verdict ---------------------------------------------------------------------------
+
     def _close_window(self) -> None:
-        real, shadow = self._window_real, self._window_shadow
-        self._window_refs = self._window_requests = self._window_real = self._window_shadow = 0
+        """Page's CUSUM of the evidence against what is published (the learned shadow's loss
+        while learned, its win while recency), each window's difference added, the sum held at
+        zero or above; past ``confidence`` standard deviations of itself (and ``tolerance`` of
+        the default's hits, against a loss) the guard switches, and the sum starts again. Old
+        wins do not shield a new loss: the sum forgets what went the published way."""
+        learned = self.learned
+        evidence = -self._window_diff if learned else self._window_diff
+        self._cusum = max(0.0, self._cusum + evidence)
+        self._cusum_sq = self._cusum_sq + evidence * evidence if self._cusum > 0 else 0.0
+        self._cusum_default = self._cusum_default + self._window_default if self._cusum else 0.0
+        self._window_refs = self._window_requests = 0
+        self._window_diff = self._window_default = 0
         c = self.counters
         c.windows += 1
-        if not self.learned:
-            c.recency_windows += 1
-            if shadow > 0:  # the real hits are vLLM's default's: how far off the shadow is
-                ratio = real / shadow
-                a = 1.0 if not self._calibrated else self.smoothing
-                self.calibration = a * ratio + (1 - a) * self.calibration
-                self._calibrated = True
-            self._hold_left -= 1
-            if self._hold_left <= 0 and self._calibrated:  # no hits yet: nothing to compare to
-                self.learned = True
-                c.probes += 1
-            return
-        c.learned_windows += 1
-        expected = shadow * self.calibration
-        c.real_hits += real
-        c.shadow_hits += round(expected)
-        # the evidence since the probe began, older windows fading: a deficit beyond the
-        # tolerance and one standard deviation of a count of that size (Poisson) is a loss
-        d = self.memory
-        self._real_sum = d * self._real_sum + real
-        self._expected_sum = d * self._expected_sum + expected
-        margin = self.tolerance * self._expected_sum + self._expected_sum**0.5
-        if self._real_sum < self._expected_sum - margin:
-            self._real_sum = self._expected_sum = 0.0
-            self.learned = False
-            c.switches_to_recency += 1
-            self._hold_left = self._current_hold
-            self._current_hold = min(self._current_hold * 2, self.max_hold)
+        if learned:
+            c.learned_windows += 1
         else:
-            self._current_hold = self.hold  # it wins (or ties): the next loss holds briefly
+            c.recency_windows += 1
+        margin = self.confidence * self._cusum_sq**0.5 + self.tolerance * self._cusum_default
+        if self._cusum > margin:
+            self.learned = not learned
+            self._cusum = self._cusum_sq = self._cusum_default = 0.0
+            if learned:
+                c.switches_to_recency += 1
+            else:
+                c.switches_to_learned += 1
 
     def state(self) -> dict[str, object]:
         """For stats and the dashboard."""
         return {
             "mode": "learned" if self.learned else "recency",
             "rate": self.rate,
-            "calibration": round(self.calibration, 4),
             **asdict(self.counters),
         }

@@ -48,13 +48,19 @@ class StepBudget:
     """The operations left in this scheduler step, and how they are spent."""
 
     def __init__(
-        self, applier: GpuApplier[Any], host: HostOrder[Any] | None, ops_per_step: int | None
+        self,
+        applier: GpuApplier[Any],
+        host: HostOrder[Any] | None,
+        ops_per_step: int | None,
+        *,
+        adopt_cost_ops: int = ADOPT_COST_OPS,
     ) -> None:
         if ops_per_step is not None and ops_per_step < 1:
             raise ValueError("ops_per_step must be >= 1 (or None: no limit)")
         self.applier = applier
         self.host = host
         self.ops_per_step = ops_per_step
+        self.adopt_cost_ops = adopt_cost_ops  # scaled down by a sampled shadow (policies.shadow)
         self.left = ops_per_step
         self._adopted = False
         self.cut_steps = 0  # steps the deadline stopped with budget and work left
@@ -108,7 +114,7 @@ class StepBudget:
         if self._adopted:
             self._adopted = False
             if self.left is not None:
-                self.left -= ADOPT_COST_OPS
+                self.left -= self.adopt_cost_ops
 
     def _may_cut(self) -> bool:
         """The deadline may stop this step: it worked already, or it is not starved."""

@@ -1,0 +1,267 @@
+"""Sampled shadows of the GPU and host tiers: what vLLM's default, or a policy's own snapshots,
+would hit on the traffic the daemon sees.
+
+``BlockSampler`` picks the blocks a shadow follows, SHARDS-style (Waldspurger et al., FAST
+2015): a block takes part when a hash of it falls below ``rate``, so every shadow that uses the
+same sampler follows the same blocks, and a shadow tier of ``rate`` times a real tier's size
+estimates the real tier's hits on them.
+
+``ShadowTiers`` is one sampled pair of tiers in vLLM's order:
+
+* GPU (``ShadowPool``): vLLM's block pool - a running request holds its blocks; when it
+  finishes they go to the free queue's tail, its first block last (vLLM frees a request's
+  blocks tail first, so a prefix is evicted from its end); an allocation evicts the free
+  queue's head.
+* host: every block the GPU computes is stored, a loaded block is touched, the least recently
+  stored or loaded is evicted; a block the GPU hits is not touched on the host (vLLM's
+  offloading default). The host tier is the connector's own ``tiers.HostOrder``.
+* prefix caching at the sample's resolution: in a request, the sampled blocks after the first
+  sampled miss (GPU, then host) miss too.
+
+A shadow that ``adopt``\\ s snapshots applies them with the connector's own parts
+(``policyd.tiers``): the write filter per request (``write_allowed``, the request's new blocks
+counted from its first sampled miss), the GPU plan (``GpuApplier``: retire, rank, pin) and the
+host order's re-keying (``HostOrder``) within the connector's budget of operations per
+scheduler step (``StepBudget``). Everything is scaled by the sample rate: the plan's caps, the
+adoption's cost, and the budget - a step's whole budget is spent once every ``1 / rate``
+requests (at their prefix lookups, before their blocks are allocated, as the connector does),
+so the shadow does ``rate`` times the connector's work on ``rate`` times its blocks. Where it
+differs: one request is one scheduler step, and the plan's ranking (``SnapshotView.top``) names
+only blocks cached in the shadow when the snapshot arrives.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from typing import Final
+
+import numpy as np
+
+from policyd.core.types import PolicySnapshot
+from policyd.tiers.budget import ADOPT_COST_OPS, StepBudget
+from policyd.tiers.gpu import (
+    DEFAULT_MAX_RANKED_BLOCKS,
+    DEFAULT_PIN_FRACTION,
+    DEFAULT_STEP_OPS,
+    GpuApplier,
+)
+from policyd.tiers.host_order import HostOrder
+from policyd.tiers.view import DEFAULT_TOP_BLOCKS, Ownership, SnapshotView, write_allowed
+
+# Fibonacci hashing (multiplication modulo 2**64, numpy's uint64 wraps): spreads sequential
+# ids over 64 bits
+_MIX_U64: Final = np.uint64(0x9E3779B97F4A7C15)
+_ALL: Final = 1 << 64
+
+
+class BlockSampler:
+    """Which blocks the shadows follow: those whose hash falls below ``rate``."""
+
+    def __init__(self) -> None:
+        self._threshold = _ALL
+
+    def configure(self, rate: float) -> None:
+        if not 0.0 < rate <= 1.0:
+            raise ValueError(f"a sample rate is in (0, 1], got {rate}")
+        self._threshold = _ALL if rate >= 1.0 else int(rate * _ALL)
+
+    @property
+    def rate(self) -> float:
+        return self._threshold / _ALL
+
+    def positions(self, blocks: tuple[int, ...]) -> tuple[int, ...]:
+        """The indexes of the sampled blocks of a request."""
+        if self._threshold >= _ALL:
+            return tuple(range(len(blocks)))
+        mixed = np.fromiter(blocks, dtype=np.uint64, count=len(blocks)) * _MIX_U64
+        return tuple(np.flatnonzero(mixed < np.uint64(self._threshold)).tolist())
+
+
+class ShadowPool:
+    """A sampled GPU block pool with vLLM's free-queue semantics, and the ``tiers.GpuPool``
+    operations the connector's plan uses (a block's handle is its hash)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.refs: dict[int, int] = {}  # held blocks (running requests, pins) -> references
+        self.free_queue: OrderedDict[int, None] = OrderedDict()  # head: evicted first
+
+    def __contains__(self, block: object) -> bool:
+        return block in self.refs or block in self.free_queue
+
+    def __len__(self) -> int:
+        return len(self.refs) + len(self.free_queue)
+
+    def trim(self) -> None:
+        """Evict from the free queue's head until the pool fits (held blocks stay)."""
+        queue = self.free_queue
+        while len(self.refs) + len(queue) > self.capacity and queue:
+            queue.popitem(last=False)
+
+    # -- tiers.GpuPool ---------------------------------------------------------------------
+
+    def lookup(self, block: int) -> int | None:
+        return block if block in self else None
+
+    def is_free(self, handle: int) -> bool:
+        return handle in self.free_queue
+
+    def touch(self, handles: Iterable[int]) -> None:
+        refs, queue = self.refs, self.free_queue
+        for h in handles:
+            queue.pop(h, None)
+            refs[h] = refs.get(h, 0) + 1
+
+    def free(self, handles: Iterable[int]) -> None:
+        refs, queue = self.refs, self.free_queue
+        for h in handles:
+            left = refs.get(h, 0) - 1
+            if left > 0:
+                refs[h] = left
+            elif h in refs:
+                del refs[h]
+                queue[h] = None
+
+    def evict(self, handles: Iterable[int]) -> None:
+        for h in handles:
+            self.free_queue.pop(h, None)
+
+    def to_tail(self, handles: Iterable[int]) -> None:
+        queue = self.free_queue
+        for h in handles:
+            if h in queue:
+                queue.move_to_end(h)
+
+
+def _same(block: int) -> int:
+    return block
+
+
+class ShadowTiers:
+    """One sampled GPU tier and host tier, in vLLM's order or, once it ``adopt``\\ s them, a
+    policy's snapshots' (module doc)."""
+
+    def __init__(self) -> None:
+        self.rate = 1.0
+        self.gpu = ShadowPool(0)
+        self.host: HostOrder[int] = HostOrder(_same)
+        self.host_capacity = 0
+        self.ownership = Ownership()
+        self.applier = GpuApplier(self.gpu)
+        self.budget = StepBudget(self.applier, self.host, DEFAULT_STEP_OPS)
+        self.view: SnapshotView | None = None
+        self._credit = 0.0  # steps' budgets owed: ``rate`` a request
+
+    def configure(self, *, gpu_capacity: int, host_capacity: int, rate: float) -> None:
+        """The shadow tiers' sizes (sampled blocks) and the sample rate; they start empty, in
+        vLLM's default."""
+        self.rate = rate
+        self.gpu = ShadowPool(max(gpu_capacity, 0))
+        self.host = HostOrder(_same)
+        self.host_capacity = max(host_capacity, 0)
+        self.ownership = Ownership()
+        self.applier = GpuApplier(
+            self.gpu,
+            max_pinned_blocks=int(self.gpu.capacity * DEFAULT_PIN_FRACTION),
+            max_ranked_blocks=round(DEFAULT_MAX_RANKED_BLOCKS * rate),
+        )
+        self.budget = StepBudget(
+            self.applier,
+            self.host,
+            DEFAULT_STEP_OPS,
+            adopt_cost_ops=round(ADOPT_COST_OPS * rate),
+        )
+        self.view = None
+        self._credit = 0.0
+
+    def adopt(
+        self,
+        snapshot: PolicySnapshot | None,
+        scores: Mapping[int, float],
+        host_scores: Mapping[int, float] | None = None,
+    ) -> None:
+        """A snapshot for the connector's parts to apply from now on (None: vLLM's default);
+        ``scores`` and ``host_scores`` are its two orders as maps (the policy has them: a view
+        shares them rather than copying; ``host_scores`` None: ``scores`` orders both)."""
+        view = None if snapshot is None else self._view(snapshot, scores, host_scores)
+        self.view = view
+        retired = view.retired_workflows if view is not None else frozenset()
+        self.budget.adopt(view, self.ownership.retire(retired))
+
+    def _view(
+        self,
+        snapshot: PolicySnapshot,
+        scores: Mapping[int, float],
+        host_scores: Mapping[int, float] | None,
+    ) -> SnapshotView:
+        """``snapshot`` as the connector indexes it, its ranking (``top``) over the blocks
+        cached in the shadow GPU, highest first, at most the connector's list scaled."""
+        floor = snapshot.default_score
+        ranked = [(s, b) for b in self.gpu.free_queue if (s := scores.get(b, floor)) > floor]
+        ranked += [(s, b) for b in self.gpu.refs if (s := scores.get(b, floor)) > floor]
+        ranked.sort(reverse=True)
+        limit = max(1, round(DEFAULT_TOP_BLOCKS * self.rate))
+        return SnapshotView(
+            version=snapshot.version,
+            policy=snapshot.policy,
+            scores=scores,
+            host_scores=scores if host_scores is None else host_scores,
+            default_score=floor,
+            retired_workflows=frozenset(snapshot.retired_workflows),
+            write_filter=snapshot.write_filter,
+            pin=snapshot.pin,
+            stage=frozenset(snapshot.stage),
+            top=tuple(b for _, b in ranked[:limit]),
+        )
+
+    def start(
+        self, workflow_id: str, sampled: tuple[int, ...], positions: tuple[int, ...], blocks: int
+    ) -> int:
+        """A request of ``blocks`` blocks whose blocks at ``positions`` (``sampled``) are
+        followed: its prefix lookup, its host loads and stores, its blocks held on the GPU.
+        Returns the sampled blocks it hits. The write filter counts the request's new blocks
+        from its first sampled miss on."""
+        gpu, host = self.gpu, self.host
+        n = len(sampled)
+        on_gpu = 0  # prefix caching: the GPU prefix, then the host's continuation of it
+        while on_gpu < n and sampled[on_gpu] in gpu:
+            on_gpu += 1
+        self._step(frozenset(sampled[:on_gpu]))
+        hits = on_gpu
+        while hits < n and sampled[hits] in host:
+            hits += 1
+        if self.host_capacity:
+            new_blocks = blocks - (positions[hits] if hits < n else blocks)
+            if write_allowed(self.view, new_blocks):
+                for block in reversed(sampled[hits:]):  # computed: stored, the head newest
+                    host.insert(block, evictable=True)
+            host.touch(sampled[on_gpu:hits])  # loaded: the host touches them
+            excess = len(host) - self.host_capacity
+            if excess > 0:
+                host.evict(excess)
+        self.ownership.record(workflow_id, sampled)
+        held = len(gpu.refs)
+        self.applier.make_room(sum(1 for b in sampled if b not in gpu), gpu.capacity - held)
+        gpu.touch(sampled)
+        gpu.trim()
+        return hits
+
+    def hold(self, sampled: tuple[int, ...]) -> None:
+        """A running request cached these blocks (its output): held until it finishes."""
+        self.gpu.touch(sampled)
+        self.gpu.trim()
+
+    def finish(self, sampled: tuple[int, ...]) -> None:
+        """The request's blocks go to the free queue, its tail first."""
+        self.gpu.free(reversed(sampled))
+        self.gpu.trim()
+
+    def _step(self, hit: frozenset[int]) -> None:
+        """The connector's budget at a prefix lookup: a whole step's once every ``1 / rate``
+        lookups."""
+        self._credit += self.rate
+        while self._credit >= 1.0:
+            self._credit -= 1.0
+            self.budget.new_step()
+            self.budget.run(hit)
