@@ -92,6 +92,7 @@ def test_overview_shows_the_daemons_counters(app: AppTest, api: Client) -> None:
     assert metrics["block rows kept"] == f"{stats['history']['block_sample_rate']:.1%}" == "100.0%"
     assert metrics["history rows dropped"] == "0"
     assert any("connected" in c.value for c in app.sidebar.caption)
+    assert stats["guard"] is None and "guard publishes" not in metrics  # pbkv has no guard
 
 
 def test_predictions_page_lists_the_active_workflows(
@@ -291,3 +292,24 @@ def test_tuning_needs_the_daemons_token(tmp_path: Path, monkeypatch: pytest.Monk
         current = {s["key"]: s["value"] for s in Client(daemon.http_url).settings()}
         assert current["prefetch_budget_blocks"] == 7
         assert any("prefetch_budget_blocks" in s.value for s in at.success)
+
+
+def test_overview_shows_agentkvs_guard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon running agentkv: the overview says what its recency guard publishes (vLLM's
+    default until the learned decisions win on the sampled shadows) and its switches."""
+    settings = DaemonSettings(
+        db=tmp_path / "guard.duckdb",
+        events="tcp://127.0.0.1:*",
+        snapshots="tcp://127.0.0.1:*",
+        http_port=0,
+        policy="agentkv",
+    )
+    with start_daemon(settings) as daemon:
+        monkeypatch.setenv("POLICYD_API_URL", daemon.http_url)
+        at = AppTest.from_file(str(APP), default_timeout=30).run()
+        assert not at.exception and not at.error, [e.value for e in at.error]
+        guard = Client(daemon.http_url).stats()["guard"]
+        metrics = {m.label: m.value for m in at.metric}
+        assert guard["mode"] == "recency" and metrics["guard publishes"] == "vLLM's default"
+        assert metrics["shadow hits, learned / default"] == "—"  # nothing sampled yet
+        assert metrics["switches to learned"] == "0" == metrics["switches to default"]

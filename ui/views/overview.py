@@ -21,6 +21,26 @@ def _gib(value: Any) -> str:
     return "—" if value is None else f"{float(value) / 1024**3:,.3f} GiB"
 
 
+def _guard_row(guard: dict[str, Any]) -> None:
+    """agentkv's recency guard: what it publishes, and the sampled shadows it decides on."""
+    learned = int(guard.get("learned_shadow_hits") or 0)
+    default = int(guard.get("default_shadow_hits") or 0)
+    row = st.columns(4)
+    row[0].metric(
+        "guard publishes",
+        "learned decisions" if guard.get("mode") == "learned" else "vLLM's default",
+        help="agentkv publishes its learned decisions only while a sampled shadow of them hits "
+        "more than a shadow of vLLM's default on the same traffic (the recency_guard setting).",
+    )
+    row[1].metric(
+        "shadow hits, learned / default",
+        f"{learned / default:.3f}x" if default else "—",
+        help=f"{learned:,} / {default:,} sampled blocks hit",
+    )
+    row[2].metric("switches to learned", f"{int(guard.get('switches_to_learned') or 0):,}")
+    row[3].metric("switches to default", f"{int(guard.get('switches_to_recency') or 0):,}")
+
+
 @st.fragment(run_every=connection.live_interval())
 def live() -> None:
     try:
@@ -56,6 +76,9 @@ def live() -> None:
         "halved while the history writer is behind.",
     )
     row4[3].metric("history queue", f"{int(history.get('queue_rows') or 0):,} rows")
+    guard = stats.get("guard")
+    if guard:
+        _guard_row(guard)
     with st.expander("All counters (raw JSON)"):
         st.json(stats)
 
