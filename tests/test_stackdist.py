@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import policyd.models.stackdist
@@ -94,6 +94,12 @@ def test_compiled_path_grows_its_table_and_timeline():
 
 
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 15)), max_size=200))
+@example(  # five blocks, then removals down to two: the timeline shrinks with them
+    [
+        *[(True, b) for b in (0, 2, 3, 4, 0, 0, 0, 1, 0)],
+        *[(False, b) for b in (0, 1, 2)],
+    ]
+)
 @settings(max_examples=150, deadline=None)
 def test_remove_forgets_a_block(ops):
     sd = StackDistance(initial_slots=2)

@@ -279,9 +279,13 @@ class StackDistance:
             tree[i] += delta
             i += i & -i
 
-    def _compact(self) -> None:
+    def _compact(self, shrink: bool = False) -> None:
+        """Renumber the live marks in order; the timeline doubles when more than half of it is
+        live, or (``shrink``) is cut to twice the live marks."""
         live = [b for b in self._owner if b is not None]
-        if 2 * len(live) > self._size:
+        if shrink:
+            self._size = max(2, 2 * len(live))
+        elif 2 * len(live) > self._size:
             self._size *= 2
         size = self._size
         self._owner = live + [None] * (size - len(live))
@@ -322,4 +326,6 @@ class StackDistance:
         self._add(pos, -1)
         self._owner[pos] = None
         self._live -= 1
+        if 4 * self._live + 4 < self._size:  # removals emptied it: memory follows the live set
+            self._compact(shrink=True)
         return True
