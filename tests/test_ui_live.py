@@ -263,17 +263,21 @@ def test_a_page_that_never_finishes_is_an_error_naming_its_state(tmp_path: Path)
     assert not out.exists()
 
 
-def test_tuning_needs_the_daemons_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A daemon with a token refuses a change from a dashboard without it (401, in a banner,
-    nothing applied) and accepts it once the dashboard is given the token."""
-    settings = DaemonSettings(
-        db=tmp_path / "token.duckdb",
+def loopback_settings(db: Path, **settings: Any) -> DaemonSettings:
+    """A daemon of its own on ephemeral loopback ports."""
+    return DaemonSettings(
+        db=db,
         events="tcp://127.0.0.1:*",
         snapshots="tcp://127.0.0.1:*",
         http_port=0,
-        token="s3cret",
+        **settings,
     )
-    with start_daemon(settings) as daemon:
+
+
+def test_tuning_needs_the_daemons_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon with a token refuses a change from a dashboard without it (401, in a banner,
+    nothing applied) and accepts it once the dashboard is given the token."""
+    with start_daemon(loopback_settings(tmp_path / "token.duckdb", token="s3cret")) as daemon:
         monkeypatch.setenv("POLICYD_API_URL", daemon.http_url)
         monkeypatch.setenv("POLICYD_UI_TIMEOUT_S", "20")
         monkeypatch.delenv("POLICYD_API_TOKEN", raising=False)
@@ -297,14 +301,7 @@ def test_tuning_needs_the_daemons_token(tmp_path: Path, monkeypatch: pytest.Monk
 def test_overview_shows_agentkvs_guard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A daemon running agentkv: the overview says what its recency guard publishes (vLLM's
     default until the learned decisions win on the sampled shadows) and its switches."""
-    settings = DaemonSettings(
-        db=tmp_path / "guard.duckdb",
-        events="tcp://127.0.0.1:*",
-        snapshots="tcp://127.0.0.1:*",
-        http_port=0,
-        policy="agentkv",
-    )
-    with start_daemon(settings) as daemon:
+    with start_daemon(loopback_settings(tmp_path / "guard.duckdb", policy="agentkv")) as daemon:
         monkeypatch.setenv("POLICYD_API_URL", daemon.http_url)
         at = AppTest.from_file(str(APP), default_timeout=30).run()
         assert not at.exception and not at.error, [e.value for e in at.error]
