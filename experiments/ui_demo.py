@@ -132,12 +132,14 @@ def start_live_daemon(
     progress: Callable[[str], None] | None = None,
 ) -> tuple[DemoRun, list[str]]:
     """A kept-serving demo daemon plus ``active`` workflows left mid-flight; stop it with
-    ``run.stop()``."""
+    ``run.stop()``. It runs pbkv, whose decisions of every kind fill the dashboard's pages
+    (agentkv, the daemon's default, publishes vLLM's default until its decisions win)."""
     run = run_demo(
         workflows=workflows,
         seconds=seconds,
         db=db,
         seed=seed,
+        policy="pbkv",
         keep_serving=True,
         progress=progress,
     )

@@ -206,7 +206,7 @@ def test_live_settings_apply_and_are_recorded(daemon: RunningDaemon, http: httpx
     keys = [c["key"] for c in changes]
     assert {"discount", "lookahead_k", "policy"} <= set(keys)
     policy_changes = [(c["old_value"], c["new_value"]) for c in changes if c["key"] == "policy"]
-    assert ('"lru"', '"pbkv"') in policy_changes and ('"pbkv"', '"lru"') in policy_changes
+    assert ('"lru"', '"pbkv"') in policy_changes and ('"agentkv"', '"lru"') in policy_changes
     assert all(c["actor"] == "api" for c in changes)
 
 

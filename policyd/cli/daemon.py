@@ -57,7 +57,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     demo.add_argument("--speedup", type=float, default=None, help="simulated s per wall s")
     demo.add_argument("--workflows", type=int, default=40, help="workflows in total (default 40)")
     demo.add_argument("--concurrency", type=int, default=8)
-    demo.add_argument("--policy", choices=ONLINE_POLICY_NAMES, default="pbkv")
+    demo.add_argument("--policy", choices=ONLINE_POLICY_NAMES, default="agentkv")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--http-port", type=int, default=0, help="HTTP port (default: a free one)")
     demo.add_argument(

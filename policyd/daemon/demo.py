@@ -143,7 +143,7 @@ def run_demo(
     concurrency: int = 8,
     gpu_blocks: int = 3000,
     host_blocks: int = 8192,
-    policy: str = "pbkv",
+    policy: str = "agentkv",
     seed: int = 0,
     keep_serving: bool = False,
     http_port: int = 0,

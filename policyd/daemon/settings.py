@@ -159,7 +159,7 @@ class DaemonSettings(BaseSettings):
         description="Let POST /api/sql answer without the bearer token when a token is set "
         "(by default it needs it, as the admin routes do).",
     )
-    policy: PolicyName = Field(default="pbkv", description="Policy at start (a tunable later).")
+    policy: PolicyName = Field(default="agentkv", description="Policy at start (a tunable later).")
     profile: ProfileName = Field(
         default="h200-llama3.1-8b",
         description="Hardware/model profile: KV bytes per block, GPU and host sizes.",
@@ -446,7 +446,7 @@ class Tunables(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 
-    policy: PolicyName = Field(default="pbkv", description="Eviction/admission/prefetch policy.")
+    policy: PolicyName = Field(default="agentkv", description="Eviction/admission/prefetch policy.")
     lookahead_k: int = Field(
         default=3, ge=1, le=8, description="Steps of next-agent lookahead (PBKV's K)."
     )
