@@ -34,24 +34,17 @@ any subset of blocks, hence for a spatially sampled stream (``policyd.models.mrc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar, cast
+from typing import Final
 
-import numba
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from policyd.core.jit import compiled as _compiled
 from policyd.workloads.calls import Call
 
 COLD: Final = int(np.iinfo(np.int64).max)  # distance of a first reference: misses at any size
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-_njit: Any = numba.njit  # untyped in numba: wrapped once here so the kernels keep their types
-
-
-def _compiled(fn: _F) -> _F:
-    return cast(_F, _njit(cache=True, nogil=True)(fn))
 
 
 # ---- the reference stream -----------------------------------------------------------------------
