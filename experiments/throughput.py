@@ -1,86 +1,287 @@
-"""``policyd throughput``: how fast the simulator replays, in block references per second.
+"""``policyd throughput``: how fast a what-if replay runs, side by side with two peers.
 
-One seeded synthetic trace of at least ``refs`` prompt-block references is replayed under lru and
-belady, GPU tier only and GPU + host, in one process on one core. The figure includes everything a
-benchmark pays for: the cache model, the Engine fed with every event, the cost model. Belady's
-figure covers its final pass only (it also needs an LRU pass and, in a closed loop, a second
-oracle pass to learn the order of calls).
+One trace (Mooncake's when ``$AGENTKV_TRACES`` or ``--trace`` has it, else the seeded synthetic
+agent workload), vLLM's 16-token blocks, one process:
+
+* **kvcache-simulator** (C++ backend, its CLI, JSON parsing included): LRU over the same calls'
+  block ids (written as its JSONL), at the same capacity. Its cost is the CPU time of the CLI on
+  the trace minus its CPU time on one record (start-up, model catalogue, compiler check).
+* **libCacheSim** (C, ``process_trace``): plain LRU over the flat stream of the same block ids
+  (each call's blocks tail first), read from a text trace - a cache without prefixes, for speed
+  only.
+* **ours**: the compiled cache model (``policyd.sim.compiled``) - LRU on the GPU tier, LRU with
+  a host tier (each preparing the trace's arrays), Belady's cost beside an LRU run (its future
+  index and passes, given the LRU run's order and arrays, as every bench pays it); the Python
+  ``Simulator`` and agentkv (snapshots every 100 ms of simulated time, which only the Python
+  model applies) on the first ``--python-requests`` calls.
+
+Figures are block references per CPU second of this process (``time.process_time``), arrays'
+preparation included, numba's one-off compilation not; the trace's loading is shown apart.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
+import resource
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+import libcachesim
+from rich.console import Console
 from rich.table import Table
 
 from policyd.policies import make_policy
+from policyd.sim.compiled import warm_up
 from policyd.sim.replay import SimConfig, Simulator, simulate
-from policyd.workloads.calls import Workload
+from policyd.sim.report import Report
+from policyd.traces.location import MOONCAKE, local_trace
+from policyd.traces.mooncake import mooncake_workload
+from policyd.workloads.calls import Call, Workload, sequential
 from policyd.workloads.synthetic import synthetic_agents
 
-TARGET_REFS_PER_S = 1_000_000
+KVCACHE_MODEL = "llama-3.1-8b"  # any catalogue model: only its bytes per block, to set a capacity
 
 
 @dataclass(frozen=True, slots=True)
-class ThroughputRow:
-    policy: str
-    tiers: str
+class Row:
+    simulator: str
+    what: str
     refs: int
-    wall_s: float
+    cpu_s: float
+    hit_rate: float | None = None
 
     @property
     def refs_per_s(self) -> float:
-        return self.refs / self.wall_s if self.wall_s > 0 else 0.0
+        return self.refs / self.cpu_s if self.cpu_s > 0 else 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class ThroughputResult:
-    workload: Workload
-    rows: list[ThroughputRow]
+@dataclass(slots=True)
+class Throughput:
+    trace: str
+    calls: int
+    refs: int
+    load_s: float
+    gpu_blocks: int
+    host_blocks: int
+    rows: list[Row] = dataclasses.field(default_factory=list)
+
+    def row(self, simulator: str, what: str) -> Row:
+        return next(r for r in self.rows if r.simulator == simulator and r.what == what)
 
 
-def trace_of(refs: int, seed: int) -> Workload:
-    """The first synthetic workflows (seeded) that together reference at least ``refs`` blocks."""
-    sample = synthetic_agents(seed=seed, workflows=50)
-    per_workflow = max(1, sample.block_refs // 50)
-    full = synthetic_agents(seed=seed, workflows=int(refs / per_workflow * 1.2) + 1)
-    streams, total = [], 0
-    for stream in full.streams:
-        if total >= refs:
-            break
-        streams.append(stream)
-        total += sum(len(c.block_hashes) for c in stream)
-    return Workload(name=f"synthetic-{total}refs", streams=streams)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trace", type=Path, help="a Mooncake JSONL (default: the one in $AGENTKV_TRACES)"
+    )
+    parser.add_argument("--requests", type=int, default=3000, help="calls replayed (default 3000)")
+    parser.add_argument("--gpu-blocks", type=int, default=120_000)
+    parser.add_argument("--host-blocks", type=int, default=480_000)
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument(
+        "--python-requests",
+        type=int,
+        default=300,
+        help="calls the Python model and agentkv replay (they are slow; default 300)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the synthetic workload's seed")
 
 
-def measure_throughput(*, refs: int, concurrency: int, seed: int) -> ThroughputResult:
-    workload = trace_of(refs, seed)
-    gpu_blocks = 8192
-    rows: list[ThroughputRow] = []
-    for host_blocks, tiers in ((0, "GPU"), (4 * gpu_blocks, "GPU+host")):
-        config = SimConfig(concurrency=concurrency, gpu_blocks=gpu_blocks, host_blocks=host_blocks)
-        lru = Simulator(workload, make_policy("lru"), config).run()
-        rows.append(ThroughputRow("lru", tiers, lru.prompt_blocks, lru.wall_s))
-        belady = simulate(workload, "belady", config)
-        rows.append(ThroughputRow("belady", tiers, belady.prompt_blocks, belady.wall_s))
-    return ThroughputResult(workload, rows)
+def load(trace: Path | None, requests: int, seed: int) -> tuple[Workload, float]:
+    """The trace's first ``requests`` calls, one per stream, and the seconds loading took."""
+    started = time.process_time()
+    path = trace or local_trace(MOONCAKE)
+    if path is not None and path.exists():
+        workload = mooncake_workload(path, limit=requests)
+    else:
+        calls = [c for s in synthetic_agents(seed=seed, workflows=requests) for c in s][:requests]
+        workload = sequential(calls, name=f"synthetic-seed{seed}")
+    return workload, time.process_time() - started
 
 
-def render_throughput(result: ThroughputResult) -> Table:
+def measure(args: argparse.Namespace, progress: Callable[[str], None]) -> Throughput:
+    workload, load_s = load(args.trace, args.requests, args.seed)
+    calls = [c for s in workload for c in s]
+    refs = sum(len(c.block_hashes) for c in calls)
+    out = Throughput(workload.name, len(calls), refs, load_s, args.gpu_blocks, args.host_blocks)
+    progress("kvcache-simulator")
+    out.rows.append(kvcache_simulator_lru(calls, args.gpu_blocks))
+    progress("libCacheSim")
+    out.rows.append(libcachesim_lru(calls, args.gpu_blocks))
+    warm_up()
+    gpu = SimConfig(concurrency=args.concurrency, gpu_blocks=args.gpu_blocks, host_blocks=0)
+    host = dataclasses.replace(gpu, host_blocks=args.host_blocks)
+    progress("ours, compiled")
+    lru = _ours("lru, GPU", lambda: simulate(workload, "lru", _recording(gpu), model="compiled"))
+    out.rows.append(lru[0])
+    again = dataclasses.replace(workload)  # a new object: its arrays are prepared again
+    out.rows.append(
+        _ours("lru, GPU + host", lambda: simulate(again, "lru", host, model="compiled"))[0]
+    )
+    out.rows.append(
+        _ours(
+            "belady, GPU (its extra cost)",
+            lambda: simulate(workload, "belady", gpu, lru_report=lru[1], model="compiled"),
+        )[0]
+    )
+    head = sequential(calls[: args.python_requests], name=f"{workload.name}-head")
+    first = f"first {len(head.streams)} calls"
+    progress("ours, Python")
+    row, _ = _ours(f"lru, GPU, {first}", lambda: Simulator(head, make_policy("lru"), gpu).run())
+    out.rows.append(dataclasses.replace(row, simulator="ours, Python"))
+    every_100ms = dataclasses.replace(host, snapshot_interval_s=0.1)
+    row, _ = _ours(
+        f"agentkv, GPU + host, {first}",
+        lambda: Simulator(head, make_policy("agentkv"), every_100ms).run(),
+    )
+    out.rows.append(dataclasses.replace(row, simulator="ours, Python"))
+    progress("ours, compiled, the same calls")
+    row, _ = _ours(f"lru, GPU, {first}", lambda: simulate(head, "lru", gpu, model="compiled"))
+    out.rows.append(row)
+    return out
+
+
+def _recording(config: SimConfig) -> SimConfig:
+    return dataclasses.replace(config, record_requests=True)
+
+
+def _ours(what: str, run: Callable[[], Report]) -> tuple[Row, Report]:
+    started = time.process_time()
+    report = run()
+    cpu_s = time.process_time() - started
+    return Row("ours, compiled", what, report.prompt_blocks, cpu_s, report.hit_rate), report
+
+
+# ---- the peers ---------------------------------------------------------------------------------
+
+
+def _child_cpu_s(command: Sequence[str]) -> tuple[float, str]:
+    """CPU seconds (user + system) of ``command`` as a child process, and its stdout."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run(command, check=True, capture_output=True, text=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    spent = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return spent, done.stdout
+
+
+def kvcache_simulator_lru(calls: Sequence[Call], capacity_blocks: int) -> Row:
+    """kvcache-simulator's CLI (C++ backend) on the calls' prompt blocks, LRU at
+    ``capacity_blocks`` (its budget in GiB chosen to give exactly that many blocks)."""
+    cli = str(Path(sys.executable).with_name("kvcache-simulator"))
+    backend = "cpp" if shutil.which("c++") else "python"  # its C++ core needs a compiler
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "trace.jsonl"
+        with trace.open("w") as out:
+            for c in calls:
+                record = {
+                    "hash_ids": list(c.block_hashes),
+                    "input_length": 16 * len(c.block_hashes),
+                    "block_size": 16,
+                }
+                out.write(json.dumps(record) + "\n")
+        base = [cli, "run", "--trace", str(trace), "--model", KVCACHE_MODEL, "--block-size", "16"]
+        base += ["--policies", "lru", "--backend", backend, "--no-progress", "--format", "json"]
+        gib = (capacity_blocks + 0.5) * _bytes_per_block(base) / 2**30
+        budget = ["--budgets-gib", f"{gib:.12f}", "--output", "-"]
+        one_s, _ = _child_cpu_s([*base, *budget, "--max-records", "1"])
+        all_s, stdout = _child_cpu_s([*base, *budget])
+    answer = json.loads(stdout)
+    if not answer["points"]:  # it omits a capacity the trace never fills
+        distinct = answer["metadata"]["uniqueBlocks"]
+        raise SystemExit(f"the trace has {distinct:,} distinct blocks: give fewer --gpu-blocks")
+    point = answer["points"][0]
+    if point["cacheBlocks"] != capacity_blocks:
+        raise RuntimeError(f"kvcache-simulator ran {point['cacheBlocks']} blocks")
+    result = point["results"]["lru"]
+    refs = sum(len(c.block_hashes) for c in calls)
+    hit = result.get("hitRate")
+    name = "kvcache-simulator (C++)" if backend == "cpp" else "kvcache-simulator (Python)"
+    return Row(name, "lru, one tier", refs, all_s - one_s, hit)
+
+
+def _bytes_per_block(base: list[str]) -> float:
+    _, stdout = _child_cpu_s([*base, "--budgets-gib", "1", "--output", "-", "--max-records", "1"])
+    return float(json.loads(stdout)["metadata"]["bytesPerBlock"])
+
+
+def libcachesim_lru(calls: Sequence[Call], capacity_blocks: int) -> Row:
+    """libCacheSim's LRU (``process_trace``, in C) over the calls' blocks, tail first."""
+    ids: dict[int, int] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "trace.txt"
+        with trace.open("w") as out:
+            for c in calls:
+                out.writelines(
+                    f"{ids.setdefault(b, len(ids) + 1)}\n" for b in reversed(c.block_hashes)
+                )
+        reader = libcachesim.TraceReader(str(trace), libcachesim.TraceType.PLAIN_TXT_TRACE)
+        cache = libcachesim.LRU(cache_size=capacity_blocks)
+        started = time.process_time()
+        miss_ratio, _ = cache.process_trace(reader)
+        cpu_s = time.process_time() - started
+    refs = sum(len(c.block_hashes) for c in calls)
+    return Row("libCacheSim (C)", "lru, flat block stream", refs, cpu_s, 1.0 - miss_ratio)
+
+
+# ---- the table ---------------------------------------------------------------------------------
+
+
+def render(result: Throughput) -> Table:
+    peer = result.rows[0]  # kvcache-simulator
+    lru = result.row("ours, compiled", "lru, GPU")
     table = Table(
-        title=f"simulator throughput on {result.workload.name} "
-        f"({result.workload.calls:,} calls), one core",
+        title=f"what-if replay speed on {result.trace}: {result.calls:,} calls, "
+        f"{result.refs:,} block references (16-token blocks), GPU {result.gpu_blocks:,} blocks, "
+        f"host {result.host_blocks:,}; loading the trace took {result.load_s:.2f} s",
         title_justify="left",
     )
-    for column in ("policy", "tiers", "block refs", "wall s", "refs/s", "of 1M/s target"):
+    for column in ("simulator", "replay", "block refs", "CPU s", "refs/s", "hit rate"):
         table.add_column(column, justify="right")
+    table.add_column("x kvcache-simulator", justify="right")
+    table.add_column("x our compiled lru", justify="right")
     for row in result.rows:
         table.add_row(
-            row.policy,
-            row.tiers,
+            row.simulator,
+            row.what,
             f"{row.refs:,}",
-            f"{row.wall_s:.2f}",
+            f"{row.cpu_s:.3f}",
             f"{row.refs_per_s:,.0f}",
-            f"{row.refs_per_s / TARGET_REFS_PER_S:.2f}x",
+            "" if row.hit_rate is None else f"{row.hit_rate:.4f}",
+            f"{row.refs_per_s / peer.refs_per_s:.2f}x" if peer.refs_per_s else "",
+            f"{row.refs_per_s / lru.refs_per_s:.3f}x" if lru.refs_per_s else "",
         )
     return table
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="policyd throughput", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    result = measure(args, lambda what: print(f"measuring {what} ...", file=sys.stderr, flush=True))
+    console = Console() if sys.stdout.isatty() else Console(width=220)
+    console.print(render(result))
+    command = shlex.join(["policyd", "throughput", *argv])
+    console.print(f"reproduce: {command}", highlight=False)
+    if args.json:
+        rows = [{**dataclasses.asdict(r), "refs_per_s": r.refs_per_s} for r in result.rows]
+        payload = {**dataclasses.asdict(result), "rows": rows, "command": command}
+        args.json.write_text(json.dumps(payload, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

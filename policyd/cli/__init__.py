@@ -39,6 +39,10 @@ OWN_PARSERS: dict[str, tuple[str, str]] = {
         "experiments.soak_bench",
         "a long run of valid traffic with invalid frames mixed in: RSS, nothing lost",
     ),
+    "throughput": (
+        "experiments.throughput",
+        "what-if replay speed, block references/s, beside kvcache-simulator and libCacheSim",
+    ),
     "bench-cli": ("experiments.startup_bench", "how long `policyd` takes to start, beside Python"),
     "bench-history": (
         "experiments.history_bench",
@@ -101,13 +105,6 @@ def build_parser() -> argparse.ArgumentParser:
     known = trace_sub.add_parser("list", help="the traces `get` knows: source, licence, state")
     known.add_argument("--dest", type=Path, help=traces_dest)
 
-    tput = sub.add_parser(
-        "throughput",
-        help="simulator throughput in block references per second (lru and belady)",
-    )
-    tput.add_argument("--refs", type=int, default=1_000_000, help="trace size in block references")
-    tput.add_argument("--concurrency", type=int, default=16)
-    tput.add_argument("--seed", type=int, default=0)
     for name, (_, what) in OWN_PARSERS.items():
         own = sub.add_parser(name, help=f"{what} (policyd {name} -h)", add_help=False)
         own.add_argument("args", nargs=argparse.REMAINDER)
@@ -139,18 +136,6 @@ def _bench_ingest(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.stages:
         return int(_experiment("experiments.ingest_cost", "stages_main")(args, argv))
     return int(_experiment("experiments.ingest_bench", "bench_main")(args, argv))
-
-
-def _throughput(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    reproduce_command = _experiment("experiments.bench", "reproduce_command")
-    measure_throughput = _experiment("experiments.throughput", "measure_throughput")
-    render_throughput = _experiment("experiments.throughput", "render_throughput")
-
-    console = _console()
-    result = measure_throughput(refs=args.refs, concurrency=args.concurrency, seed=args.seed)
-    console.print(render_throughput(result))
-    console.print(f"reproduce: {reproduce_command(argv)}")
-    return 0
 
 
 def _trace(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -198,7 +183,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = {
         "bench": _bench,
         "bench-ingest": _bench_ingest,
-        "throughput": _throughput,
         "trace": _trace,
     }
     commands.update(cli_history.COMMANDS)
