@@ -51,12 +51,23 @@ from policyd.models.predictor import BUILD, END, START, Predictor
 from policyd.traces.location import TRACES_ENV, WHO_AND_WHEN, local_trace, missing_trace_message
 from policyd.traces.whowhen import whowhen_workload
 from policyd.workloads.calls import Call, Workload, arrival_order
+from policyd.workloads.chats import group_chat
 from policyd.workloads.pbkv import code_writing, fact_checking, financial
+
+
+def group_chats(*, seed: int, workflows: int, agents: int = 5) -> Workload:
+    """``workflows`` orchestrator-routed group chats among ``agents`` agent names (the
+    orchestrator and ``agents - 1`` workers): the predictor's cost against the agents it sees."""
+    if agents < 2:
+        raise ValueError(f"a group chat needs at least 2 agents, got {agents}")
+    return group_chat(seed=seed, chats=workflows, workers=agents - 1)
+
 
 GENERATORS: dict[str, Callable[..., Workload]] = {
     "fact-checking": fact_checking,
     "code-writing": code_writing,
     "financial": financial,
+    "group-chat": group_chats,
 }
 WORKLOADS = (*GENERATORS, "who-and-when")
 PAPER_FACT_CHECKING = ((0.935, 0.848, 0.771), (0.752, 0.555, 0.295))
@@ -284,14 +295,17 @@ def evaluate(
     )
 
 
-def load(name: str, workflows: int, seed: int, whowhen: Path | None) -> Workload:
-    """A generated workload (``workflows`` of them, seeded) or the Who&When chats."""
+def load(name: str, workflows: int, seed: int, whowhen: Path | None, agents: int = 5) -> Workload:
+    """A generated workload (``workflows`` of them, seeded; ``agents`` names per group chat)
+    or the Who&When chats."""
     if name == "who-and-when":
         if whowhen is None:
             raise SystemExit(missing_trace_message("--whowhen", WHO_AND_WHEN))
         return whowhen_workload(whowhen)
     if name not in GENERATORS:
         raise ValueError(f"unknown workload {name!r}: choose from {', '.join(WORKLOADS)}")
+    if name == "group-chat":
+        return group_chats(seed=seed, workflows=workflows, agents=agents)
     return GENERATORS[name](seed=seed, workflows=workflows)
 
 
@@ -435,6 +449,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--workloads", default=",".join(WORKLOADS), help=f"comma-separated: {', '.join(WORKLOADS)}"
     )
     parser.add_argument("--workflows", type=int, default=1000, help="per generated workload")
+    parser.add_argument(
+        "--agents",
+        type=int_list(2),
+        default=[5],
+        help="agent names per group chat (the orchestrator and the workers); a comma-separated "
+        "list runs group-chat once per value, side by side",
+    )
     parser.add_argument("--concurrency", type=int, default=16, help="active workflows")
     parser.add_argument("--k", type=int, default=3, help="steps forecast")
     parser.add_argument("--noise", type=float, default=0.0, help="fraction of random forecasts")
@@ -483,8 +504,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     console = Console(width=max(160, Console().width))
-    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
-    workloads = [load(n, args.workflows, args.seed, args.whowhen) for n in names]
+    names: list[str] = []
+    workloads: list[Workload] = []
+    for name in (n.strip() for n in args.workloads.split(",") if n.strip()):
+        for agents in args.agents if name == "group-chat" else [0]:
+            names.append(f"{name} agents={agents}" if agents else name)
+            workloads.append(load(name, args.workflows, args.seed, args.whowhen, agents))
     results: list[Result] = []
     records: list[dict[str, Any]] = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())

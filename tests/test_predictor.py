@@ -790,3 +790,14 @@ def test_eval_runs_predictor_variants_side_by_side(capsys: pytest.CaptureFixture
 def test_unknown_workload_is_refused() -> None:
     with pytest.raises(ValueError, match="fact-checking"):
         predictor_eval.load("nope", 1, 0, WHOWHEN)
+
+
+def test_eval_runs_group_chats_of_several_agent_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--workloads", "group-chat", "--agents", "3,8", "--workflows", "6", "--cost"]
+    assert predictor_eval.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "group-chat agents=3" in out and "group-chat agents=8" in out
+    workload = predictor_eval.load("group-chat", 4, 0, None, agents=8)
+    assert len({call.agent for stream in workload.streams for call in stream}) <= 8
+    with pytest.raises(ValueError, match="at least 2 agents"):
+        predictor_eval.load("group-chat", 4, 0, None, agents=1)

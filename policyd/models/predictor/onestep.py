@@ -83,6 +83,15 @@ class OneStepModel:
         self.max_cache = max_cache
         self.max_paths = max_paths
         self.evaluations = evaluations
+        # per (type, last agents, run): the count models' inputs there (``_contexts``)
+        self._known_contexts: dict[
+            tuple[object, ...], tuple[dict[str, str], Keys, dict[str, str], Keys]
+        ] = {}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        """Restore a pickle, one made before the contexts were kept included."""
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_known_contexts", {})
 
     def at(self, position: Position) -> tuple[Hints, Node]:
         """The hints of ``position``'s request and the one-step prediction there."""
@@ -111,12 +120,11 @@ class OneStepModel:
         self.evaluations += 1
         model = self._types.model(position.kind)
         run = position.run
-        structure = model.structures.get(
-            (position.history[-self.order :], run if run < 3 else 3, position.recent)
-        )
+        view = (position.history[-self.order :], run if run < 3 else 3, position.recent)
+        structure = model.structures.get(view)
         learns = model.learns
         if structure is None or learns - structure.version > min(self.refresh, learns // 10):
-            structure = self._structure(position, model)
+            structure = self._structure(position, model, view, structure)
         labels = structure.labels
         # the path: position, run and the candidate agents' call counts (END is last)
         key = (position.pos, run, *map(position.calls.get, structure.agents, repeat(0)))
@@ -175,35 +183,27 @@ class OneStepModel:
             hints.margins[label] = margin
         return part
 
-    def _structure(self, position: Position, model: TypeModel) -> Structure:
-        """The count models' view of ``position``, from the cache while fresh enough."""
-        history = position.history
-        key = (history[-self.order :], min(position.run, 3), position.recent)
-        cached = model.structures.get(key)
-        stale = min(self.refresh, model.learns // 10)
-        if cached is not None and model.learns - cached.version <= stale:
-            return cached
-        kind = position.kind
+    def _structure(
+        self,
+        position: Position,
+        model: TypeModel,
+        view: tuple[object, ...],
+        cached: Structure | None,
+    ) -> Structure:
+        """The count models' view of ``position`` (cached under ``view``), computed afresh:
+        ``cached`` is the stale one it replaces, if any."""
         if cached is not None:  # a refresh: the contexts are the same, their counts changed
-            markov_x, copy_x = cached.markov_x, cached.copy_x
-            markov_keys, copy_keys = cached.markov_keys, cached.copy_keys
+            markov_x, markov_keys, copy_x, copy_keys = (
+                cached.markov_x,
+                cached.markov_keys,
+                cached.copy_x,
+                cached.copy_keys,
+            )
         else:
-            markov_x = {"type": kind}
-            for i in range(1, min(self.order, len(history)) + 1):
-                markov_x[f"h{i}"] = history[-i]
-            markov_keys = self.markov.context_keys(markov_x)
-            copy_x = {"type": kind, "h1": f"run{min(position.run, 3)}", "h2": history[-1]}
-            copy_keys = self.copy.context_keys(copy_x)
+            markov_x, markov_keys, copy_x, copy_keys = self._contexts(position)
         markov = self.markov.distribution_keys(markov_keys)
         copy = self._copy_distribution(position, copy_keys, markov)
-        w_markov, w_copy, _ = model.mixture.weights(history[-1])
-        prior: dict[str, float] = {}
-        for label, p in markov.items():
-            prior[label] = w_markov * p
-        for label, p in copy.items():
-            prior[label] = prior.get(label, 0.0) + w_copy * p
-        agents = sorted((a for a in prior if a != END), key=prior.__getitem__, reverse=True)
-        labels = [*agents[: self.max_candidates - 1], END]
+        labels = self._candidates(markov, copy, model.mixture.weights(position.history[-1]))
         relative = [counted_features(position, label, markov, copy) for label in labels]
         structure = Structure(
             model.learns,
@@ -222,8 +222,44 @@ class OneStepModel:
         )
         if len(model.structures) >= self.max_cache:
             model.structures.clear()
-        model.structures[key] = structure
+        model.structures[view] = structure
         return structure
+
+    def _contexts(self, position: Position) -> tuple[dict[str, str], Keys, dict[str, str], Keys]:
+        """The count models' inputs at ``position`` and their back-off levels: ``markov``'s
+        over the last ``order`` agents, ``copy``'s over the last agent and its run. They
+        depend on the type and the last agents only, so they are made once per such context
+        (and shared, never modified)."""
+        history = position.history[-self.order :]
+        run = min(position.run, 3)
+        key = (position.kind, history, run)
+        known = self._known_contexts.get(key)
+        if known is None:
+            kind = position.kind
+            markov_x = {"type": kind}
+            for i in range(1, len(history) + 1):
+                markov_x[f"h{i}"] = history[-i]
+            copy_x = {"type": kind, "h1": f"run{run}", "h2": history[-1]}
+            markov_keys = self.markov.context_keys(markov_x)
+            known = (markov_x, markov_keys, copy_x, self.copy.context_keys(copy_x))
+            if len(self._known_contexts) >= self.max_cache:
+                self._known_contexts.clear()
+            self._known_contexts[key] = known
+        return known
+
+    def _candidates(
+        self, markov: dict[str, float], copy: dict[str, float], weights: list[float]
+    ) -> list[str]:
+        """The ``max_candidates - 1`` agents the count experts, mixed by ``weights``, find
+        likeliest (the first seen among equals), then ``END``."""
+        w_markov, w_copy, _ = weights
+        prior = {label: w_markov * p for label, p in markov.items()}
+        get = prior.get
+        for label, p in copy.items():
+            prior[label] = get(label, 0.0) + w_copy * p
+        prior.pop(END, None)
+        agents = sorted(prior, key=prior.__getitem__, reverse=True)
+        return [*agents[: self.max_candidates - 1], END]
 
     def _new_path(self, position: Position, structure: Structure, key: tuple[int, ...]) -> Path:
         """The candidates' complete relative features at a path not cached yet."""
@@ -249,16 +285,14 @@ class OneStepModel:
         ranks = self.copy.distribution_keys(copy_keys)
         if not ranks:
             return markov
-        possible = [ranks.get(f"r{j}", 0.0) for j in range(1, len(recent) + 1)]
+        possible = [ranks.get(rank, 0.0) for rank in RANK_LABELS[: len(recent)]]
         other = ranks.get(OTHER, 0.0)
         total = sum(possible) + other
         if total <= 0.0:
             return markov
-        dist = {agent: p / total for agent, p in zip(recent, possible, strict=False)}
-        rest = 1.0 - sum(markov.get(a, 0.0) for a in recent)
+        dist = {agent: p / total for agent, p in zip(recent, possible, strict=True)}
+        rest = 1.0 - sum([markov.get(agent, 0.0) for agent in recent])
         if rest > 1e-9:
             scale = other / total / rest
-            for label, p in markov.items():
-                if label not in dist:
-                    dist[label] = p * scale
+            dist.update({label: p * scale for label, p in markov.items() if label not in dist})
         return dist
