@@ -162,6 +162,15 @@ def test_retired_blocks_exclude_blocks_shared_with_live_workflows() -> None:
     assert own.retired_blocks(frozenset({"done", "live"})) == {1, 2, 3, 4}
 
 
+def test_a_workflow_listed_retired_before_its_request_queues_its_blocks_in_order() -> None:
+    own = Ownership()
+    own.retired_blocks(frozenset({"done"}))  # listed before its first request was seen
+    own.record("live", [7])
+    own.record("done", [5, 3, 5, 7, 9])
+    assert list(own.fresh) == [5, 3, 9]  # in the request's order; 7 has a live owner
+    assert own.dead == {3, 5, 9}
+
+
 class ReferenceOwnership:
     """The retired set by its definition, recomputed from scratch: blocks whose every tracked
     owner (the 4 most recently seen workflows) is retired."""

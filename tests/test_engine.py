@@ -241,6 +241,23 @@ def test_a_block_referenced_by_two_workflows_is_shared_and_retired_when_both_are
     assert state.retired_blocks("host") == []
 
 
+def test_owner_sets_are_shared_between_blocks_yet_change_per_block() -> None:
+    """A request's new blocks share one owner set (none is built per block); a workflow that
+    takes some of them changes only theirs, and one forgotten leaves the others' intact."""
+    engine = make_engine()
+    feed(engine, started("r1", "w1", [1, 2, 3]))
+    owners = engine.state.owners
+    assert owners[1] is owners[2] is owners[3]
+    feed(engine, started("r2", "w2", [2, 3, 4]))
+    assert owners == {1: {"w1"}, 2: {"w1", "w2"}, 3: {"w1", "w2"}, 4: {"w2"}}
+    assert owners[2] is owners[3]  # regrouped once, not per block
+    feed(engine, finished("r1"), wf_done("w1"))  # nothing of w1 cached: forgotten
+    assert owners == {2: {"w2"}, 3: {"w2"}, 4: {"w2"}}
+    check_ownership(engine.state)
+    feed(engine, finished("r2"))
+    assert owners == {} and engine.state.running_refs == {}
+
+
 def test_a_block_nobody_referenced_is_never_retired() -> None:
     engine = make_engine()
     feed(engine, stored("gpu", [7]))
@@ -414,7 +431,7 @@ def test_a_block_evicted_and_restored_while_its_request_runs_keeps_its_owner() -
         stored("gpu", [2], "r2"),
     )
     state = engine.state
-    assert state.owners.get(2) == {"w1"}
+    assert state.owners.get(2) == frozenset({"w1"})
     assert 2 in state.recency
     feed(engine, finished("r2"), wf_done("w1"))
     assert sorted(state.retired_blocks("gpu")) == [1, 2]

@@ -13,7 +13,6 @@ holds it, and finished workflows are forgotten once none of their blocks remain.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from itertools import islice
 from typing import TYPE_CHECKING
@@ -256,16 +255,11 @@ def _on_request_started(state: EngineState, ev: Event, now: float) -> None:
     wf.last_seen_s = now
     wf.running += 1
     blocks = ev.block_hashes
-    state.running_refs.update(dict.fromkeys(blocks).keys())
+    state.hold(blocks)
     new = set(blocks).difference(wf.blocks)
     if new:
         wf.blocks.update(new)
-        owners = state.owners
-        wid = ev.workflow_id
-        shared = {block for block in new if block in owners}
-        for block in shared:
-            owners[block].add(wid)
-        owners.update({block: {wid} for block in new.difference(shared)})
+        state.own(ev.workflow_id, new)
     state.touch(blocks)
     wf.agent_blocks[ev.agent] = blocks
     state.learn_agent_prefix(ev.agent, ev.workflow_id, blocks)
@@ -319,15 +313,9 @@ def _on_request_finished(state: EngineState, ev: Event, now: float) -> None:
         wf.running = max(0, wf.running - 1)
         wf.last_ts = ev.ts
         wf.last_seen_s = now
-    running = state.running_refs
-    left = {b: running[b] - 1 for b in dict.fromkeys(req.block_hashes)}
-    dict.update(running, left)  # set the counts (Counter.update would add them)
-    deque(map(running.pop, [b for b, n in left.items() if n == 0]), maxlen=0)
+    state.release(req.block_hashes)
     # blocks the request used that no tier kept (bypassed, or never stored) are forgotten now
-    resident = state.resident
-    gone = set(req.block_hashes).difference(resident["gpu"], resident["host"])
-    if gone:
-        state.forget_blocks(gone)
+    state.forget_blocks(req.block_hashes)
 
 
 def _on_workflow_finished(state: EngineState, ev: Event, now: float) -> None:
@@ -342,10 +330,5 @@ def _on_workflow_finished(state: EngineState, ev: Event, now: float) -> None:
     resident = state.resident
     if all(wf.blocks.isdisjoint(resident[t]) for t in TIERS):
         # nothing of it is cached: forget it now, ownership included
-        for block in wf.blocks:
-            holders = state.owners.get(block)
-            if holders is not None:
-                holders.discard(ev.workflow_id)
-                if not holders:
-                    del state.owners[block]
+        state.disown(ev.workflow_id, wf.blocks)
         del state.workflows[ev.workflow_id]

@@ -8,11 +8,15 @@ import in one direction only.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import count, repeat
+from itertools import compress, count, repeat
+from operator import not_, sub
+from typing import Final
 
 from policyd.core.types import TIERS, PrefixHit, Tier
+
+_NO_OWNERS: Final[frozenset[str]] = frozenset()
 
 
 @dataclass(slots=True)
@@ -69,8 +73,13 @@ class EngineState:
         self.workflows: dict[str, WorkflowState] = {}
         self.requests: dict[str, RequestState] = {}
         self.resident: dict[Tier, set[int]] = {tier: set() for tier in TIERS}
-        self.owners: dict[int, set[str]] = {}  # block -> workflows that referenced it
-        self.recency: dict[int, int] = {}  # block -> sequence of its last reference
+        # block -> workflows that referenced it. The sets are immutable and shared by blocks with
+        # the same owners (a request's new blocks share one), so that the bookkeeping per block
+        # is a dict operation in C: only the Engine replaces them (``own``, ``disown``)
+        self.owners: dict[int, frozenset[str]] = {}
+        # block -> sequence of its last reference; every block in ``owners`` has one (both are
+        # set by a request's start and dropped together, ``forget_blocks``)
+        self.recency: dict[int, int] = {}
         self.running_refs: Counter[int] = Counter()  # block -> running requests using it
         # the blocks every prompt of an agent starts with, across workflows (its system prompt
         # as the cache sees it), and the workflow that prompt came from
@@ -92,7 +101,11 @@ class EngineState:
         if not owners:
             return False
         workflows = self.workflows
-        return all(w not in workflows or workflows[w].done for w in owners)
+        for w in owners:  # a loop, not all(<generator>): it runs per block
+            wf = workflows.get(w)
+            if wf is not None and not wf.done:
+                return False
+        return True
 
     def retired_blocks(self, tier: Tier) -> list[int]:
         return [b for b in self.resident[tier] if self.is_retired(b)]
@@ -126,19 +139,48 @@ class EngineState:
         self._ticks = count(start + len(blocks) + 1)
         self.recency.update(zip(reversed(blocks), range(start, start + len(blocks)), strict=True))
 
+    def hold(self, blocks: Sequence[int]) -> None:
+        """A running request references ``blocks`` (each counted once)."""
+        self.running_refs.update(dict.fromkeys(blocks).keys())
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """A running request that held ``blocks`` ended; counts reaching zero are dropped."""
+        running = self.running_refs
+        held = list(dict.fromkeys(blocks))
+        left = list(map(sub, map(running.__getitem__, held), repeat(1)))
+        # set the counts (Counter.update would add them)
+        dict.update(running, zip(held, left, strict=True))
+        deque(map(running.pop, compress(held, map(not_, left))), maxlen=0)
+
+    def own(self, workflow_id: str, blocks: set[int]) -> None:
+        """Add ``workflow_id`` to the owners of ``blocks``. Python work is per distinct owner
+        set, not per block: the blocks nobody owned share one new set."""
+        owners = self.owners
+        shared = owners.keys() & blocks  # C speed, whichever of the two is smaller
+        if shared:
+            _rewrite_owners(owners, shared, lambda holders: holders | {workflow_id})
+        owners.update(dict.fromkeys(blocks.difference(shared), frozenset((workflow_id,))))
+
+    def disown(self, workflow_id: str, blocks: set[int]) -> None:
+        """Remove ``workflow_id`` from the owners of ``blocks``; blocks left with no owner are
+        dropped from ``owners``."""
+        owned = self.owners.keys() & blocks
+        if owned:
+            _rewrite_owners(self.owners, owned, lambda holders: holders - {workflow_id})
+
     def forget_blocks(self, blocks: Iterable[int]) -> None:
         """Drop bookkeeping of blocks that no tier holds any more (set operations and ``map``
         keep this off the per-block interpreter path: it runs for every eviction)."""
-        running = self.running_refs
-        gone = {
-            b
-            for b in set(blocks).difference(self.resident["gpu"], self.resident["host"])
-            if b not in running
-        }
+        tracked = self.recency.keys() & blocks  # nothing else to drop for the others
+        if not tracked:
+            return
+        gone = tracked.difference(self.resident["gpu"], self.resident["host"])
+        gone.difference_update(self.running_refs.keys() & gone)  # still in use: kept
         if not gone:
             return
         deque(map(self.recency.pop, gone, repeat(None)), maxlen=0)
-        holders = [h for h in map(self.owners.pop, gone, repeat(None)) if h]
+        holders = set(map(self.owners.pop, gone, repeat(_NO_OWNERS)))  # each distinct set once
+        holders.discard(_NO_OWNERS)
         if not holders:
             return
         workflows = self.workflows
@@ -148,3 +190,19 @@ class EngineState:
                 state.blocks.difference_update(gone)
                 if state.done and not state.blocks:
                     del workflows[wf]
+
+
+def _rewrite_owners(
+    owners: dict[int, frozenset[str]],
+    blocks: Iterable[int],
+    change: Callable[[frozenset[str]], frozenset[str]],
+) -> None:
+    """Replace the owner set of each of ``blocks`` (all in ``owners``) by ``change`` of it,
+    computed once per distinct set; blocks left with no owner are removed. Blocks keep their
+    place in ``owners``."""
+    blocks = list(blocks)
+    held = list(map(owners.__getitem__, blocks))
+    changed = {holders: change(holders) for holders in set(held)}
+    new = list(map(changed.__getitem__, held))
+    owners.update(compress(zip(blocks, new, strict=True), new))
+    deque(map(owners.pop, compress(blocks, map(not_, new))), maxlen=0)
