@@ -25,6 +25,7 @@ from policyd.sim import kernel
 from policyd.sim.config import SimConfig
 from policyd.sim.dense import DenseTrace
 from policyd.sim.report import Report, RequestRecord
+from policyd.sim.requests import call_of
 from policyd.workloads.calls import Call, Workload
 
 COMPILED_POLICIES = ("lru", "belady")
@@ -117,15 +118,15 @@ def warm_up() -> None:
     for host_blocks in (0, 8):
         config = SimConfig(concurrency=1, gpu_blocks=8, host_blocks=host_blocks)
         trace = DenseTrace.of(tiny, config.block_tokens)
-        _replay(trace, config, None, 0.0)
-        _replay(trace, config, _replay(trace, config, None, 0.0)[1], 0.0)
+        _, order = _replay(trace, config, None, 0.0)
+        _replay(trace, config, order, 0.0)
 
 
 def _order_of_records(trace: DenseTrace, records: list[RequestRecord]) -> npt.NDArray[np.int64]:
     first = trace.stream_first
     out = np.empty(len(records), dtype=np.int64)
     for k, rec in enumerate(records):
-        stream, index = (int(x) for x in rec.request_id.split("."))
+        stream, index = call_of(rec.request_id)
         out[k] = first[stream] + index
     return out
 
@@ -139,8 +140,7 @@ def _replay(
     """One pass: LRU when ``belady_order`` is None, else Belady knowing that order. Returns
     the report and the order calls were admitted in."""
     profile = get_profile(config.profile)
-    gpu_blocks = config.gpu_blocks if config.gpu_blocks is not None else profile.gpu_blocks()
-    host_blocks = config.host_blocks if config.host_blocks is not None else profile.host_blocks()
+    gpu_blocks, host_blocks = config.tier_blocks(profile)
     belady = belady_order is not None
     setup = kernel.Setup(
         policy=kernel.POLICY_BELADY if belady else kernel.POLICY_LRU,

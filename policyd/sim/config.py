@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from policyd.core.profiles import HardwareProfile
 from policyd.core.types import BLOCK_SIZE_TOKENS
 from policyd.sim.cache import RunningSpace
 from policyd.tiers.gpu import DEFAULT_STEP_OPS
@@ -40,3 +41,9 @@ class SimConfig:
             raise ValueError("snapshot_interval_s must be > 0")
         if self.block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens}")
+
+    def tier_blocks(self, profile: HardwareProfile) -> tuple[int, int]:
+        """The GPU and host tiers' sizes in blocks: as set, else the profile's."""
+        gpu = self.gpu_blocks if self.gpu_blocks is not None else profile.gpu_blocks()
+        host = self.host_blocks if self.host_blocks is not None else profile.host_blocks()
+        return gpu, host

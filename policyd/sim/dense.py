@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from policyd.core.jit import compiled
-from policyd.sim.requests import computed_tokens
+from policyd.sim.requests import computed_tokens, request_id
 from policyd.workloads.calls import Call, Workload
 
 Ids = npt.NDArray[np.int32]
@@ -100,9 +100,9 @@ class DenseTrace:
         return len(self.calls)
 
     def request_id(self, call: int) -> str:
-        """The simulator's request id of call ``call``: ``"<stream>.<index>"``."""
+        """The simulator's request id of call ``call`` (``policyd.sim.requests.request_id``)."""
         stream = int(self.stream_of[call])
-        return f"{stream}.{call - int(self.stream_first[stream])}"
+        return request_id(stream, call - int(self.stream_first[stream]))
 
     def hit_limits(self, recompute_last_token: bool) -> npt.NDArray[np.int64]:
         """The longest GPU prefix hit each call may take (vLLM always computes the last prompt

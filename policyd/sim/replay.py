@@ -37,7 +37,7 @@ from policyd.sim.costs import CostModel
 from policyd.sim.host_writes import HostWrites, OfflineAdmission
 from policyd.sim.link import EventOutbox, SimEngine
 from policyd.sim.report import Report
-from policyd.sim.requests import SimRequest, computed_tokens
+from policyd.sim.requests import SimRequest, call_of, computed_tokens
 from policyd.sim.scheduler import RequestScheduler
 from policyd.sim.snapshots import SnapshotApplier, uses_snapshots
 from policyd.sim.streams import StreamScheduler
@@ -103,12 +103,7 @@ class Simulator:
         self.policy = policy
         self.config = config
         self.profile: HardwareProfile = get_profile(config.profile)
-        gpu_blocks = (
-            config.gpu_blocks if config.gpu_blocks is not None else self.profile.gpu_blocks()
-        )
-        host_blocks = (
-            config.host_blocks if config.host_blocks is not None else self.profile.host_blocks()
-        )
+        gpu_blocks, host_blocks = config.tier_blocks(self.profile)
         self.timeline = timeline = Timeline()
         clock: Callable[[], float] = lambda: timeline.now  # noqa: E731
         self.engine: SimEngine = Engine(policy, clock=clock) if engine is None else engine(clock)
@@ -297,7 +292,7 @@ def _order_of(report: Report, workload: Workload) -> list[tuple[str, Sequence[in
     """The order in which calls reached the cache in a replay, with each call's blocks."""
     order: list[tuple[str, Sequence[int]]] = []
     for rec in report.records:
-        stream, index = (int(x) for x in rec.request_id.split("."))
+        stream, index = call_of(rec.request_id)
         call = workload.streams[stream][index]
         order.append((rec.request_id, call.block_hashes + call.output_block_hashes))
     return order

@@ -7,6 +7,17 @@ from dataclasses import dataclass, field
 from policyd.workloads.calls import Call
 
 
+def request_id(stream: int, index: int) -> str:
+    """The simulator's id of call ``index`` of stream ``stream``; ``call_of`` reads it back."""
+    return f"{stream}.{index}"
+
+
+def call_of(rid: str) -> tuple[int, int]:
+    """The stream and the index in it of request ``rid`` (``request_id``'s)."""
+    stream, index = rid.split(".")
+    return int(stream), int(index)
+
+
 def computed_tokens(call: Call) -> int:
     """The tokens vLLM computes KV for: the prompt and every generated token but the last
     (sampled, never fed back). Those are the slots it allocates while the call runs (their

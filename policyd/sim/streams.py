@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from itertools import count
 
-from policyd.sim.requests import SimRequest, computed_tokens
+from policyd.sim.requests import SimRequest, computed_tokens, request_id
 from policyd.sim.timeline import ARRIVE, Timeline
 from policyd.workloads.calls import Call, Stream, Workload
 
@@ -83,6 +83,6 @@ class StreamScheduler:
                 _SYNTHETIC_BIT | next(self._synthetic) for _ in range(n_out - len(output))
             )
         when = self.timeline.now + (call.gap_s if index > 0 else 0.0)
-        rid = f"{stream_index}.{index}"
+        rid = request_id(stream_index, index)
         req = SimRequest(rid, call, stream_index, index, when, physical, output)
         self.timeline.at(when, ARRIVE, req)
