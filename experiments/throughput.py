@@ -39,9 +39,8 @@ import libcachesim
 from rich.console import Console
 from rich.table import Table
 
-from policyd.policies import make_policy
 from policyd.sim.compiled import warm_up
-from policyd.sim.replay import SimConfig, Simulator, simulate
+from policyd.sim.replay import CacheModel, SimConfig, simulate
 from policyd.sim.report import Report
 from policyd.traces.location import MOONCAKE, local_trace
 from policyd.traces.mooncake import mooncake_workload
@@ -120,44 +119,40 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None]) -> Throug
     gpu = SimConfig(concurrency=args.concurrency, gpu_blocks=args.gpu_blocks, host_blocks=0)
     host = dataclasses.replace(gpu, host_blocks=args.host_blocks)
     progress("ours, compiled")
-    lru = _ours("lru, GPU", lambda: simulate(workload, "lru", _recording(gpu), model="compiled"))
-    out.rows.append(lru[0])
+    recording = dataclasses.replace(gpu, record_requests=True)
+    row, lru = _ours("compiled", "lru, GPU", workload, "lru", recording)
+    out.rows.append(row)
     again = dataclasses.replace(workload)  # a new object: its arrays are prepared again
-    out.rows.append(
-        _ours("lru, GPU + host", lambda: simulate(again, "lru", host, model="compiled"))[0]
-    )
-    out.rows.append(
-        _ours(
-            "belady, GPU (its extra cost)",
-            lambda: simulate(workload, "belady", gpu, lru_report=lru[1], model="compiled"),
-        )[0]
-    )
+    out.rows.append(_ours("compiled", "lru, GPU + host", again, "lru", host)[0])
+    belady = "belady, GPU (its extra cost)"
+    out.rows.append(_ours("compiled", belady, workload, "belady", gpu, lru_report=lru)[0])
     head = sequential(calls[: args.python_requests], name=f"{workload.name}-head")
     first = f"first {len(head.streams)} calls"
     progress("ours, Python")
-    row, _ = _ours(f"lru, GPU, {first}", lambda: Simulator(head, make_policy("lru"), gpu).run())
-    out.rows.append(dataclasses.replace(row, simulator="ours, Python"))
+    out.rows.append(_ours("python", f"lru, GPU, {first}", head, "lru", gpu)[0])
     every_100ms = dataclasses.replace(host, snapshot_interval_s=0.1)
-    row, _ = _ours(
-        f"agentkv, GPU + host, {first}",
-        lambda: Simulator(head, make_policy("agentkv"), every_100ms).run(),
-    )
-    out.rows.append(dataclasses.replace(row, simulator="ours, Python"))
+    agentkv = f"agentkv, GPU + host, {first}"
+    out.rows.append(_ours("python", agentkv, head, "agentkv", every_100ms)[0])
     progress("ours, compiled, the same calls")
-    row, _ = _ours(f"lru, GPU, {first}", lambda: simulate(head, "lru", gpu, model="compiled"))
-    out.rows.append(row)
+    out.rows.append(_ours("compiled", f"lru, GPU, {first}", head, "lru", gpu)[0])
     return out
 
 
-def _recording(config: SimConfig) -> SimConfig:
-    return dataclasses.replace(config, record_requests=True)
-
-
-def _ours(what: str, run: Callable[[], Report]) -> tuple[Row, Report]:
+def _ours(
+    model: CacheModel,
+    what: str,
+    workload: Workload,
+    policy: str,
+    config: SimConfig,
+    *,
+    lru_report: Report | None = None,
+) -> tuple[Row, Report]:
+    """``simulate`` on ``model``, timed in CPU seconds of this process."""
     started = time.process_time()
-    report = run()
+    report = simulate(workload, policy, config, lru_report=lru_report, model=model)
     cpu_s = time.process_time() - started
-    return Row("ours, compiled", what, report.prompt_blocks, cpu_s, report.hit_rate), report
+    name = "ours, compiled" if model == "compiled" else "ours, Python"
+    return Row(name, what, report.prompt_blocks, cpu_s, report.hit_rate), report
 
 
 # ---- the peers ---------------------------------------------------------------------------------
