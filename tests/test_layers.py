@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("policyd.models", "policyd.traces"),  # online models; real-trace readers
     ("policyd.tiers",),  # applying a snapshot to tiers (the connector ships it)
     ("policyd.policies",),  # the policies (the guard's shadows apply snapshots as tiers do)
-    ("policyd.sim", "policyd.history"),  # the simulator; the history store
+    ("policyd.sim", "policyd.history", "policyd.fleet"),  # simulator; history; fleet parts
     ("policyd.daemon",),  # the serving daemon (and the demo that drives it by a simulator)
     ("policyd.cli",),  # the command line
 )

@@ -52,6 +52,10 @@ OWN_PARSERS: dict[str, tuple[str, str]] = {
         "experiments.predictor_eval",
         "next-agent accuracy at steps 1..3, cost per call",
     ),
+    "eval-fleet": (
+        "experiments.fleet_learning",
+        "a cold replica's next-agent accuracy with and without the fleet's learning",
+    ),
     "eval-mrc": ("experiments.mrc_eval", "the online miss-ratio curve against the exact one"),
     "eval-efficientagent": (
         "experiments.efficientagent_eval",

@@ -61,6 +61,7 @@ class PolicyHolder:
             rate=settings.shards_rate, max_tracked_blocks=settings.shards_max_tracked_blocks
         )
         self.restored_predictions: PredictionLog | None = None
+        self.restored_fleet: object = None
         self._restore()
 
     def int_setting(self, key: str) -> int:
@@ -143,6 +144,7 @@ class PolicyHolder:
         if not models:
             return
         predictor, shards = models.get("predictor"), models.get("shards")
+        self.restored_fleet = models.get("fleet")  # the fleet link's state (policyd.fleet)
         predictions = models.get("predictions")
         if isinstance(predictions, PredictionLog):
             self.restored_predictions = predictions

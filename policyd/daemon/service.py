@@ -53,6 +53,8 @@ from policyd.daemon.settings import DaemonSettings
 from policyd.daemon.snapshots import SnapshotPublisher, bind_snapshot_socket
 from policyd.daemon.stats import stats
 from policyd.daemon.worker import EngineWorker, engine_behind
+from policyd.fleet.deltas import FleetLearning, FleetState
+from policyd.fleet.link import FleetLink, parse_servers
 from policyd.history import History, HistoryConfig
 from policyd.history.files import remove_stale_temp_files
 from policyd.history.process import HistoryProcess
@@ -212,6 +214,7 @@ class Service:
             after_pass=self.bookkeeping.record_prediction_rows,
         )
         self.metrics = Metrics(lambda: stats(self))
+        self.fleet = self._fleet_link()
         self.receiver: Receiver | None = None
         self.kv_events: KvEventSubscriber | None = None
         self.events_endpoint = settings.events
@@ -219,6 +222,28 @@ class Service:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._started = False
+
+    def _fleet_link(self) -> FleetLink | None:
+        """The JetStream link of a replica in a fleet (``--fleet``), from the checkpoint's
+        state of it when there is one; None outside a fleet."""
+        s = self.settings
+        if not s.fleet:
+            return None
+        restored = self.holder.restored_fleet
+        state = restored if isinstance(restored, FleetState) else None
+        holder = self.holder
+        learning = FleetLearning(
+            holder.predictor, lambda: holder.shards, state.baseline if state else None
+        )
+        return FleetLink(
+            parse_servers(s.fleet),
+            s.replica,
+            learning,
+            self.lock,
+            state=state,
+            interval_s=s.fleet_interval_s,
+            stream_replicas=s.fleet_stream_replicas,
+        )
 
     def _housekeeping_jobs(self) -> list[Job]:
         s = self.settings
@@ -291,6 +316,8 @@ class Service:
                 clock=self.clock,
             )
             self.kv_events.start()
+        if self.fleet is not None:
+            self.fleet.start()
         self._started = True
         log.info(
             "policyd serving: events %s, snapshots %s, history %s, policy %s, predictor %s",
@@ -318,6 +345,8 @@ class Service:
         for thread in self._threads:
             thread.join(timeout=30.0)
         self.worker.drain()
+        if self.fleet is not None:
+            self.fleet.stop()  # one last publish, bounded
         try:
             self.save_checkpoint()
         except Exception as exc:
@@ -401,7 +430,13 @@ class Service:
         return self.sizing.refresh()
 
     def save_checkpoint(self) -> dict[str, object]:
-        return self.checkpoints.save(lambda: self.holder.checkpoint_models(self.predictions))
+        return self.checkpoints.save(self._checkpoint_models)
+
+    def _checkpoint_models(self) -> dict[str, object]:
+        models = self.holder.checkpoint_models(self.predictions)
+        if self.fleet is not None:  # with the models it describes: the same instant
+            models["fleet"] = self.fleet.state()
+        return models
 
     def publish_history(self) -> dict[str, str]:
         path = self.history.publish_snapshot()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,6 +175,28 @@ class DaemonSettings(BaseSettings):
         default=None, description="vLLM KV-events replay (ROUTER) endpoint for gaps."
     )
     vllm_topic: str = Field(default="", description="vLLM KV-events topic ('' = all).")
+    fleet: str | None = Field(
+        default=None,
+        description="NATS servers of the fleet (nats://host:4222[,nats://host2:4222...]): share "
+        "what the models learn with the other replicas over JetStream (docs/FLEET.md).",
+    )
+    replica: str = Field(
+        default_factory=lambda: (
+            re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:64] or "replica"
+        ),
+        pattern=r"^[A-Za-z0-9_-]{1,64}$",
+        description="This replica's name in the fleet (letters, digits, - and _; default: the "
+        "host name).",
+    )
+    fleet_stream_replicas: int = Field(
+        default=1,
+        ge=1,
+        le=5,
+        description="Replication of the fleet's JetStream stream (3 on a 3-node NATS cluster).",
+    )
+    fleet_interval_s: Seconds = Field(
+        default=1.0, description="Seconds between publishing this replica's learning."
+    )
     checkpoint_dir: Path | None = Field(
         default=None, description="Directory for model checkpoints (default: next to the db)."
     )

@@ -17,6 +17,7 @@ from policyd.core.types import PolicySnapshot
 from policyd.daemon.ingest import IngestQueue
 from policyd.daemon.kv_events import KvEventSubscriber
 from policyd.daemon.predictions import PredictionLog
+from policyd.fleet.link import FleetLink
 from policyd.history.process import HistoryProcess
 from policyd.history.store import History
 from policyd.models.predictor import BUILD, Predictor
@@ -43,6 +44,8 @@ class StatsSource(Protocol):
     def predictions(self) -> PredictionLog: ...
     @property
     def heap_trims(self) -> int: ...
+    @property
+    def fleet(self) -> FleetLink | None: ...
     @property
     def snapshot(self) -> PolicySnapshot | None: ...
     @property
@@ -160,6 +163,8 @@ def stats(service: StatsSource) -> dict[str, Any]:
         # agentkv's recency guard (mode, shadow LRU sample rate, windows), when it has one
         "guard": _guard_state(service.engine.policy),
         "kv_events": dict(service.kv_events.counters) if service.kv_events else None,
+        # the fleet link: deltas published, applied, duplicates and gaps (docs/FLEET.md)
+        "fleet": service.fleet.stats() if service.fleet is not None else None,
         "snapshot": {
             "version": snap.version if snap else None,
             "age_s": service.clock() - service.snapshot_published_s

@@ -22,7 +22,7 @@ chats, would otherwise add contexts forever).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from river import base
@@ -197,6 +197,24 @@ class BackoffClassifier(base.Classifier):
                 counts.add(label)
             if max_count and counts.total > max_count:
                 counts.scale(0.5)
+
+    def add_keys(self, keys: Iterable[tuple[str, ...]], label: str, weight: float) -> None:
+        """Count ``label`` ``weight`` times after the context whose levels' table keys are
+        ``keys`` (another replica's counts merged in: the same updates as ``weight`` calls of
+        ``learn_keys``, up to when ``max_count`` halves them)."""
+        tables = self._tables
+        max_count = self.max_count
+        for key in keys:
+            counts = tables.get(key)
+            if counts is None:
+                counts = tables[key] = Counts(self.top)
+                kind = key[1] if key[0] == "t" else ""
+                self._by_type.setdefault(kind, []).append(counts)
+            counts.add(label, weight)
+            if max_count and counts.total > max_count:
+                counts.scale(0.5)
+        if len(tables) > self.max_contexts:
+            self._prune()
 
     def _prune(self) -> None:
         """Halve every count; drop the contexts left with less than one observation."""

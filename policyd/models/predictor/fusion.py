@@ -28,14 +28,14 @@ Nothing reads a clock; randomness (``noise``) comes from ``seed``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from policyd.core.types import HintValue
 from policyd.models.predictor.backoff import BackoffClassifier
 from policyd.models.predictor.forecast import END, START, Forecast
 from policyd.models.predictor.kinds import TypeModel, TypeModels
-from policyd.models.predictor.learning import TransitionLearner
+from policyd.models.predictor.learning import Transition, TransitionLearner
 from policyd.models.predictor.nodes import Hints, Node, Path, Structure
 from policyd.models.predictor.onestep import OneStepModel
 from policyd.models.predictor.parts import Learnt, Settings
@@ -308,6 +308,37 @@ class Predictor:
     def copy(self) -> BackoffClassifier:
         """The copy expert's counts over ranks of the recent agents (shared by all types)."""
         return self._one_step.copy
+
+    # -- a fleet's shared learning (policyd.fleet.deltas) ------------------------------------
+
+    def start_journal(self) -> None:
+        """From now on, count every transition the count experts learn (``take_journal``)."""
+        if self._learner.journal is None:
+            self._learner.journal = {}
+
+    def take_journal(self) -> dict[Transition, int]:
+        """The transitions learnt since the last take (empty without ``start_journal``)."""
+        journal = self._learner.journal
+        if journal is None:
+            return {}
+        self._learner.journal = {}
+        return journal
+
+    def merge_transitions(self, transitions: Iterable[tuple[Transition, float]]) -> int:
+        """Add another replica's transition counts to the count experts (``markov``, ``copy``);
+        the context models and mixtures stay this replica's own. Returns the transitions."""
+        markov, copy = self.markov, self.copy
+        kinds: set[str] = set()
+        n = 0
+        for (markov_keys, label, copy_keys, rank), weight in transitions:
+            markov.add_keys(markov_keys, label, weight)
+            copy.add_keys(copy_keys, rank, weight)
+            if markov_keys and markov_keys[0][0] == "t":
+                kinds.add(markov_keys[0][1])
+            n += 1
+        for kind in kinds:
+            self._types.counts_changed(kind)
+        return n
 
     # -- learning ------------------------------------------------------------------------------
 

@@ -117,6 +117,13 @@ class TypeModels:
             model = self._models[kind] = TypeModel(context, mixture, self.alias_window)
         return model
 
+    def counts_changed(self, kind: str) -> None:
+        """The shared counts of type ``kind`` changed outside its own learning (another
+        replica's merged in): its cached views are dropped, to be rebuilt from the counts."""
+        model = self._models.get(kind)
+        if model is not None:
+            model.structures.clear()
+
     def __len__(self) -> int:
         return len(self._models)
 

@@ -19,9 +19,18 @@ from policyd.models.predictor.nodes import Hints, Node
 from policyd.models.predictor.onestep import OneStepModel, rank_label
 from policyd.models.predictor.position import Position, counted_features
 
+# one learnt transition as the count experts saw it: the ``markov`` levels' keys and the label,
+# the ``copy`` levels' keys and the label's rank (what ``BackoffClassifier.add_keys`` replays)
+Transition = tuple[tuple[tuple[str, ...], ...], str, tuple[tuple[str, ...], ...], str]
+
 
 class TransitionLearner:
-    """Teaches the experts of a ``OneStepModel`` and a type's mixture one transition."""
+    """Teaches the experts of a ``OneStepModel`` and a type's mixture one transition.
+
+    ``journal``, when a dict (a fleet's daemon sets one), counts every transition taught to the
+    count experts since it was last taken, in mergeable form (``Transition`` -> times)."""
+
+    journal: dict[Transition, int] | None = None  # (a class default: older pickles lack it)
 
     def __init__(self, one_step: OneStepModel, *, sure: float = 0.02) -> None:
         self._one_step = one_step
@@ -40,6 +49,15 @@ class TransitionLearner:
         one_step = self._one_step
         rank = rank_label(position.recent, label)
         markov, copy = one_step.markov, one_step.copy
+        journal = self.journal
+        if journal is not None:
+            key = (
+                tuple(k for k, _ in structure.markov_keys),
+                label,
+                tuple(k for k, _ in structure.copy_keys),
+                rank,
+            )
+            journal[key] = journal.get(key, 0) + 1
         resolved = structure.resolved
         if (
             resolved is not None
