@@ -4,6 +4,7 @@
   stack-distance histogram increments), and merging another replica's into them;
 * ``link`` - the daemon's JetStream link: publishes its deltas, applies every other replica's
   exactly once (by stream sequence), keeps deciding locally while NATS is away;
-* ``routing`` - which replica holds a workflow's prefix (the index and the routers);
-* ``residency`` - a daemon's block residency as compact updates for the routing index.
+* ``residency`` - a daemon's block residency as compact updates for the routing index;
+* ``routing`` - which replica holds a workflow's prefix (the index and the routers, pure);
+* ``router_service`` - ``policyd route``: the index fed over NATS, answering over HTTP.
 """
