@@ -180,15 +180,31 @@ class Client:
         """Ask the daemon to publish a fresh history snapshot for SQL (admin)."""
         return self._call("POST", "/api/history/publish", read_timeout_s=SQL_READ_TIMEOUT_S)
 
-    def sql(self, sql: str, *, max_rows: int = 1000) -> Json:
-        """``{"columns", "rows", "truncated", "elapsed_ms", "snapshot_ts"}``; a refusal raises
+    def sql(self, sql: str, *, max_rows: int = 1000, fleet: bool = False) -> Json:
+        """``{"columns", "rows", "truncated", "elapsed_ms", "snapshot_ts"}`` (and ``fleet``:
+        ``{"replicas", "segments", ...}`` when ``fleet``: the statement ran over every
+        replica's history, each table with a ``replica`` column); a refusal raises
         ``DaemonRejectedError``."""
+        body: Json = {"sql": sql, "max_rows": max_rows}
+        if fleet:
+            body["fleet"] = True
         return self._call(
             "POST",
             "/api/sql",
-            json={"sql": sql, "max_rows": max_rows},
+            json=body,
             read_timeout_s=max(self.read_timeout_s, SQL_READ_TIMEOUT_S),
         )
+
+    def fleet_enabled(self) -> bool:
+        """Whether the daemon can run SQL over the whole fleet's history (``GET /api/fleet``);
+        False from a daemon without that route."""
+        try:
+            body = self._call("GET", "/api/fleet")
+        except DaemonRejectedError as err:
+            if err.status == 404:
+                return False
+            raise
+        return body.get("enabled") is True
 
     # -- the one place HTTP happens ------------------------------------------------------------
 

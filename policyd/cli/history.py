@@ -2,7 +2,11 @@
 
 ``policyd sql`` works whether or not the daemon runs: it reads the published snapshot when that
 is current, else the live file read-only, else (the daemon holds the live file) the last
-snapshot. Every failure is one line on stderr and a non-zero exit, never a traceback.
+snapshot. ``policyd sql --fleet SOURCE`` runs the statement over every replica's exported
+segments instead (``policyd.history.fleet_sql``; SOURCE a directory or a ``nats://`` URL, or
+``$POLICYD_FLEET_HISTORY`` with ``--fleet`` given no value), under the same limits.
+``policyd export-segments`` exports one replica's history as segments (what the daemon does on
+a timer). Every failure is one line on stderr and a non-zero exit, never a traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import datetime as dt
 import decimal
 import io
 import json
+import os
 import sys
 import uuid
 from collections.abc import Callable, Sequence
@@ -32,6 +37,8 @@ if TYPE_CHECKING:
 
 EXIT_REFUSED: Final = 2  # the query was refused or failed
 EXIT_UNAVAILABLE: Final = 3  # no readable history file (locked, missing, too new)
+FLEET_ENV: Final = "POLICYD_FLEET_HISTORY"  # the same name as policyd.history.fleet_sql's
+FLEET_FROM_ENV: Final = "$" + FLEET_ENV
 
 
 def _positive_float(text: str) -> float:
@@ -74,6 +81,34 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--timeout-s", type=_positive_float, default=10.0, help="time limit (default 10 s)"
     )
     sql.add_argument("--memory-limit", default="256MB", help="memory limit (default 256MB)")
+    sql.add_argument(
+        "--fleet",
+        nargs="?",
+        const=FLEET_FROM_ENV,
+        metavar="SOURCE",
+        help="query every replica's exported segments (a directory or "
+        f"nats://host:port/bucket; given no value: ${FLEET_ENV}); tables gain a replica column",
+    )
+    sql.add_argument(
+        "--cache-dir", type=Path, help="with --fleet: where segments and the fleet file are kept"
+    )
+
+    exp = sub.add_parser(
+        "export-segments",
+        help="export one replica's history as Parquet segments for fleet SQL",
+        description="Exports the rows added since the last export of each table, from the "
+        "published snapshot, as one Parquet segment per table (idempotent, resumable).",
+    )
+    exp.add_argument("destination", help="a directory or nats://host:port[,host:port]/bucket")
+    exp.add_argument("--replica", required=True, help="this replica's name")
+    exp.add_argument("--db", type=Path, help=db_help)
+    exp.add_argument("--snapshot", type=Path, help="snapshot file (default: next to --db)")
+    exp.add_argument(
+        "--max-segments",
+        type=int_at_least(2),
+        default=64,
+        help="segments kept per table before the oldest are merged (default 64)",
+    )
 
 
 def _fail(command: str, message: str, code: int) -> int:
@@ -111,7 +146,7 @@ def _jsonable(value: object) -> object:
     return value
 
 
-def _render_json(result: QueryResult, source: Path) -> str:
+def _render_json(result: QueryResult, source: Path | str) -> str:
     rows = [dict(zip(result.columns, map(_jsonable, row), strict=True)) for row in result.rows]
     body = {
         "columns": result.columns,
@@ -123,7 +158,7 @@ def _render_json(result: QueryResult, source: Path) -> str:
     return json.dumps(body, default=str)
 
 
-def _render_csv(result: QueryResult, source: Path) -> str:
+def _render_csv(result: QueryResult, source: Path | str) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(result.columns)
@@ -131,7 +166,7 @@ def _render_csv(result: QueryResult, source: Path) -> str:
     return out.getvalue().rstrip("\n")
 
 
-def _render_table(result: QueryResult, source: Path) -> Group:
+def _render_table(result: QueryResult, source: Path | str) -> Group:
     from rich.console import Group  # noqa: PLC0415 - see the contract
     from rich.table import Table  # noqa: PLC0415
     from rich.text import Text  # noqa: PLC0415
@@ -147,31 +182,50 @@ def _render_table(result: QueryResult, source: Path) -> Group:
     return Group(table, Text(note, style="dim"))
 
 
-FORMATS: Final[dict[str, Callable[[QueryResult, Path], object]]] = {
+FORMATS: Final[dict[str, Callable[[QueryResult, Path | str], object]]] = {
     "table": _render_table,
     "csv": _render_csv,
     "json": _render_json,
 }
 
 
-def run_sql(args: argparse.Namespace, argv: Sequence[str]) -> int:
+def _query(args: argparse.Namespace) -> tuple[QueryResult, Path | str]:
+    """The result of ``args.query`` and what it read: the history file, or the fleet."""
     from policyd.history.files import default_db_path  # noqa: PLC0415 - see the contract
-    from policyd.history.revisions import HistoryError  # noqa: PLC0415
-    from policyd.history.safe_sql import SqlRefused, query_history  # noqa: PLC0415
+    from policyd.history.safe_sql import query_history  # noqa: PLC0415
 
-    db = args.db or default_db_path()
-    try:
-        result, source = query_history(
-            db,
-            args.query,
-            snapshot_path=args.snapshot,
-            max_rows=args.max_rows,
-            timeout_s=args.timeout_s,
-            memory_limit=args.memory_limit,
+    limits = {
+        "max_rows": args.max_rows,
+        "timeout_s": args.timeout_s,
+        "memory_limit": args.memory_limit,
+    }
+    if args.fleet is None:
+        return query_history(
+            args.db or default_db_path(), args.query, snapshot_path=args.snapshot, **limits
         )
+    from policyd.history.fleet_sql import query_fleet  # noqa: PLC0415
+
+    source = args.fleet
+    if source == FLEET_FROM_ENV:
+        source = os.environ.get(FLEET_ENV, "").strip()
+        if not source:
+            raise ValueError(f"--fleet given no SOURCE and ${FLEET_ENV} is not set")
+    result, info = query_fleet(args.query, source, cache_dir=args.cache_dir, **limits)
+    replicas = ", ".join(info.replicas) or "no replica yet"
+    return result, f"the fleet ({info.segments} segments of {replicas}; {info.source})"
+
+
+def run_sql(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from policyd.history.revisions import HistoryError  # noqa: PLC0415 - see the contract
+    from policyd.history.safe_sql import SqlRefused  # noqa: PLC0415
+
+    try:
+        result, source = _query(args)
     except SqlRefused as exc:
         return _fail("sql", str(exc), EXIT_REFUSED)
-    except HistoryError as exc:
+    except HistoryError as exc:  # SegmentStoreError included
+        return _fail("sql", str(exc), EXIT_UNAVAILABLE)
+    except ValueError as exc:  # a malformed --fleet source
         return _fail("sql", str(exc), EXIT_UNAVAILABLE)
     rendered = FORMATS[args.format](result, source)
     if isinstance(rendered, str):
@@ -186,7 +240,32 @@ def run_sql(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
+def run_export_segments(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from policyd.history.files import (  # noqa: PLC0415 - see the contract
+        default_db_path,
+        default_snapshot_path,
+        snapshot_is_current,
+    )
+    from policyd.history.revisions import HistoryError  # noqa: PLC0415
+    from policyd.history.segments import SegmentExporter  # noqa: PLC0415
+
+    db = args.db or default_db_path()
+    snapshot = args.snapshot or default_snapshot_path(db)
+    if not snapshot_is_current(db, snapshot) and db.exists():
+        snapshot = db  # no daemon publishes: the live file, read-only
+    try:
+        exporter = SegmentExporter(
+            snapshot, args.replica, args.destination, max_segments=args.max_segments
+        )
+        done = exporter.export()
+    except (HistoryError, ValueError) as exc:
+        return _fail("export-segments", str(exc), EXIT_UNAVAILABLE)
+    print(json.dumps(done, default=str))
+    return 0
+
+
 COMMANDS: Final[dict[str, Callable[[argparse.Namespace, Sequence[str]], int]]] = {
     "migrate": run_migrate,
     "sql": run_sql,
+    "export-segments": run_export_segments,
 }

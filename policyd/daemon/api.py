@@ -5,6 +5,14 @@ thread. Errors are ``{"error": "..."}`` with a 4xx status; admin routes need
 ``Authorization: Bearer <token>`` when the service was given a token. ``GET /api/settings``
 carries the tunables' JSON Schema (``policyd.daemon.settings.Tunables``); ``PUT`` documents its
 body as ``TunablesChange``.
+
+Fleet history: when the service has a ``fleet_history`` attribute (the segment source string,
+``nats://host:port/bucket`` or a directory, that ``policyd.history.segments.SegmentExporter``
+exports every replica's history into; None or absent: no fleet) ``POST /api/sql`` with
+``"fleet": true`` runs the statement over every replica's segments
+(``policyd.history.fleet_sql.query_fleet``: the same lockdown and limits, a ``replica`` column),
+and ``GET /api/fleet`` says whether it can. ``fleet_cache_dir`` (optional, a path) is where
+the segments are cached and the fleet's DuckDB file is built.
 """
 
 from __future__ import annotations
@@ -72,6 +80,36 @@ class SqlBody(BaseModel):
     sql: str = Field(min_length=1, max_length=100_000)
     max_rows: int = Field(default=1000, ge=0, le=MAX_SQL_ROWS)
     format: Literal["json"] = "json"
+    fleet: bool = False
+
+
+def fleet_source(service: Service) -> str | None:
+    """The service's fleet history source (``service.fleet_history``), None when it has none."""
+    source = getattr(service, "fleet_history", None)
+    return str(source) if source else None
+
+
+def fleet_sql(service: Service, sql: str, max_rows: int) -> dict[str, Any]:
+    """``POST /api/sql`` with ``fleet``: the statement over every replica's segments."""
+    from policyd.history.fleet_sql import query_fleet  # noqa: PLC0415 - only when asked
+
+    source = fleet_source(service)
+    if source is None:
+        raise ApiError(409, "this daemon was started without a fleet history source")
+    cache_dir = getattr(service, "fleet_cache_dir", None)
+    result, info = query_fleet(sql, source, cache_dir=cache_dir, max_rows=max_rows)
+    return {
+        "columns": result.columns,
+        "rows": [list(r) for r in result.rows],
+        "truncated": result.truncated,
+        "elapsed_ms": result.elapsed_ms,
+        "snapshot_ts": None,
+        "fleet": {
+            "replicas": info.replicas,
+            "segments": info.segments,
+            "prepare_ms": info.prepare_ms,
+        },
+    }
 
 
 def _cut(message: str, limit: int = 400) -> str:
@@ -240,15 +278,21 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
 
     sql_guard = [] if service.settings.sql_without_token else [Depends(admin)]
 
+    @app.get("/api/fleet")
+    async def fleet() -> Any:
+        return {"enabled": fleet_source(service) is not None}
+
     @app.post("/api/sql", dependencies=sql_guard)
     async def sql(body: SqlBody) -> Any:
+        run = fleet_sql if body.fleet else views.sql
         try:
-            result = await call(views.sql, service, body.sql, body.max_rows)
+            result = await call(run, service, body.sql, body.max_rows)
         except (SqlRefused, ValueError) as exc:  # (DuckDB's message may quote the query)
             raise ApiError(400, _cut(str(exc))) from None
-        except HistoryError:  # its message names the file: not for the API
-            log.warning("POST /api/sql: the history snapshot is not readable", exc_info=True)
-            raise ApiError(503, "the history snapshot is not readable now; retry") from None
+        except HistoryError:  # its message names the file or the source: not for the API
+            what = "the fleet's history segments are" if body.fleet else "the history snapshot is"
+            log.warning("POST /api/sql: %s not readable", what, exc_info=True)
+            raise ApiError(503, f"{what} not readable now; retry") from None
         return _json_safe(result)
 
     @app.post("/api/checkpoint", dependencies=[Depends(admin)])

@@ -1,5 +1,7 @@
 """SQL: a read-only query over the daemon's history (POST /api/sql, run by the daemon on its
-published snapshot), with saved example queries; a refusal is shown as an error box."""
+published snapshot), with saved example queries; a refusal is shown as an error box. When the
+daemon has a fleet history (GET /api/fleet), a switch runs the query over every replica's
+history instead (each table with a ``replica`` column)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ FROM settings_changes ORDER BY ts DESC""",
 KEY_SQL = "sql_text"
 KEY_EXAMPLE = "sql_example"
 KEY_RESULT = "sql_result"  # the last query's answer (or error), shown until the next run
+KEY_SCOPE = "sql_scope"
+THIS_REPLICA = "this replica"
+THE_FLEET = "the fleet"
 
 
 def _load_example() -> None:
@@ -46,6 +51,24 @@ st.caption(
 st.session_state.setdefault(KEY_SQL, next(iter(EXAMPLES.values())))
 st.selectbox("Saved examples", list(EXAMPLES), key=KEY_EXAMPLE, on_change=_load_example)
 sql = st.text_area("Query", key=KEY_SQL, height=160)
+
+
+def fleet_available() -> bool:
+    """Whether to offer the switch; a daemon that cannot say is treated as having no fleet
+    (the query's own call shows the banner)."""
+    try:
+        return connection.client().fleet_enabled()
+    except ApiError:
+        return False
+
+
+fleet = False
+if fleet_available():
+    scope = st.radio(
+        "History", (THIS_REPLICA, THE_FLEET), horizontal=True, key=KEY_SCOPE,
+        help="the fleet: every replica's exported history, each table with a replica column",
+    )  # fmt: skip
+    fleet = scope == THE_FLEET
 controls = st.columns([1, 1, 4])
 max_rows = int(
     controls[0].number_input("Max rows", min_value=1, max_value=10_000, value=1000, key="sql_max")
@@ -53,9 +76,9 @@ max_rows = int(
 run = controls[1].button("Run query", type="primary", key="sql_run")
 
 
-def execute(query: str, limit: int) -> dict[str, object] | ApiError:
+def execute(query: str, limit: int, over_fleet: bool) -> dict[str, object] | ApiError:
     try:
-        return connection.client().sql(query, max_rows=limit)
+        return connection.client().sql(query, max_rows=limit, fleet=over_fleet)
     except ApiError as err:
         return err
 
@@ -73,6 +96,11 @@ def show(outcome: dict[str, object] | ApiError) -> None:
     if isinstance(snapshot_ts, int | float):
         when = pd.to_datetime(float(snapshot_ts), unit="s", utc=True)
         as_of = f" · snapshot of {when:%H:%M:%S} UTC"
+    fleet_info = outcome.get("fleet")
+    if isinstance(fleet_info, dict):
+        replicas = fleet_info.get("replicas")
+        count = len(replicas) if isinstance(replicas, list) else "?"
+        as_of = f" · the fleet: {count} replicas, {fleet_info.get('segments', '?')} segments"
     more = " (truncated at max rows)" if outcome.get("truncated") else ""
     elapsed_ms = outcome.get("elapsed_ms")
     took = f"{elapsed_ms:,.1f} ms" if isinstance(elapsed_ms, int | float) else "?"
@@ -82,5 +110,5 @@ def show(outcome: dict[str, object] | ApiError) -> None:
 
 # the first visit runs the first example, so the page opens on an answer
 if run or KEY_RESULT not in st.session_state:
-    st.session_state[KEY_RESULT] = execute(sql, max_rows)
+    st.session_state[KEY_RESULT] = execute(sql, max_rows, fleet)
 show(st.session_state[KEY_RESULT])
