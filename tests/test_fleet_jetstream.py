@@ -20,9 +20,16 @@ from typing import Any
 import httpx
 
 from policyd.core.client import DaemonClient
-from policyd.core.types import Event, RequestFinished, RequestStarted, WorkflowFinished
+from policyd.core.types import (
+    BlocksStored,
+    Event,
+    RequestFinished,
+    RequestStarted,
+    WorkflowFinished,
+)
 from policyd.core.wire import Endpoints
 from policyd.daemon.server import READY_PREFIX
+from policyd.fleet.router_service import RunningRouteService, start_route_service
 from tests.nats_servers import NatsCluster
 from tests.test_daemon_process import wait_for
 
@@ -39,13 +46,15 @@ def workflow(replica: str, n: int) -> list[Event]:
     events: list[Event] = []
     for i, agent in enumerate(agents):
         rid = f"{wid}.{i}"
-        blocks = tuple(range(n * 100 + hash(replica) % 7, n * 100 + 4 + i))
+        base = 1_000_000 * (1 + list(TYPES).index(replica)) + 100 * n  # the transcript grows
+        blocks = tuple(range(base, base + 4 + i))
         events.append(
             RequestStarted(
                 ts=float(i), request_id=rid, workflow_id=wid, agent=agent,
                 workflow_type=kind, block_hashes=blocks, prompt_tokens=16 * len(blocks),
             )
         )  # fmt: skip
+        events.append(BlocksStored(ts=float(i), tier="gpu", block_hashes=blocks, request_id=rid))
         events.append(RequestFinished(ts=float(i), request_id=rid, output_tokens=4))
     events.append(WorkflowFinished(ts=9.0, workflow_id=wid))
     return events
@@ -56,6 +65,7 @@ class Daemon:
 
     def __init__(self, root: Path, replica: str, fleet: str) -> None:
         self.replica, self.fleet = replica, fleet
+        self.segments = root / "segments"
         self.dir = root / replica
         self.dir.mkdir(parents=True, exist_ok=True)
         self.proc: subprocess.Popen[str] | None = None
@@ -70,7 +80,10 @@ class Daemon:
                "--http-port", "0", "--log-level", "WARNING", "--history-writer", "thread",
                "--fleet", self.fleet, "--replica", self.replica,
                "--fleet-stream-replicas", "3", "--fleet-interval-s", "0.2",
-               "--checkpoint-interval-s", "0.5"]  # fmt: skip
+               "--checkpoint-interval-s", "0.5",
+               "--fleet-endpoint", f"http://{self.replica}.invalid:8000",
+               "--fleet-history", str(self.segments),
+               "--fleet-history-interval-s", "0.5"]  # fmt: skip
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
         )
@@ -127,6 +140,15 @@ def fleet(root: Path, url: str) -> Iterator[dict[str, Daemon]]:
             d.kill()
 
 
+@contextmanager
+def routing(servers: list[str]) -> Iterator[RunningRouteService]:
+    route = start_route_service(servers)
+    try:
+        yield route
+    finally:
+        route.stop()
+
+
 def forecasts(daemon: Daemon, workflow_id: str) -> bool:
     return daemon.next_agent(workflow_id) is not None
 
@@ -159,7 +181,11 @@ def settled(daemons: dict[str, Daemon]) -> bool:
 
 
 def test_fleet_learning_survives_a_nats_node_and_a_daemon_killed(tmp_path: Path) -> None:
-    with NatsCluster(tmp_path / "nats", nodes=3) as cluster, fleet(tmp_path, cluster.url) as ds:
+    with (
+        NatsCluster(tmp_path / "nats", nodes=3) as cluster,
+        fleet(tmp_path, cluster.url) as ds,
+        routing(cluster.urls) as route,
+    ):
         for n in range(20):
             for r, d in ds.items():
                 d.send(workflow(r, n))
@@ -198,6 +224,40 @@ def test_fleet_learning_survives_a_nats_node_and_a_daemon_killed(tmp_path: Path)
             others = {o: n for o, n in s["origins"].items() if not o.startswith(f"{r}/")}
             assert s["applied"] == sum(n + 1 for n in others.values()), (r, s)
         assert stats["r2"]["incarnation"] != ""  # restarted: a new incarnation publishes
+
+        # the router's index, from every replica's residency: a workflow's next call goes to
+        # the replica holding its transcript
+        with httpx.Client(base_url=route.url, timeout=10) as router:
+            for r, (_, agents) in TYPES.items():
+                decision = router.get("/route", params={"workflow_id": f"{r}-w59",
+                                                        "agent": agents[0]}).json()  # fmt: skip
+                assert decision["replica"] == r, decision
+                assert decision["endpoint"] == f"http://{r}.invalid:8000"
+
+        # the fleet's history in one statement, after the recovery: each replica's rows as
+        # that replica's own SQL counts them
+        own = {}
+        for r, d in ds.items():
+            with d.http() as http:
+                assert http.post("/api/history/publish").status_code == 200
+                own[r] = http.post("/api/sql", json={"sql": "SELECT count(*) FROM requests"}
+                                   ).json()["rows"][0][0]  # fmt: skip
+        sql = "SELECT replica, count(*) FROM requests GROUP BY 1 ORDER BY 1"
+
+        def fleet_counts() -> dict[str, int]:
+            result = subprocess.run(
+                [sys.executable, "-m", "policyd.cli", "sql", "--fleet", str(ds["r0"].segments),
+                 "--cache-dir", str(tmp_path / "sql-cache"), "--format", "json", sql],
+                capture_output=True, text=True, check=False, timeout=60,
+            )  # fmt: skip
+            if result.returncode != 0:
+                return {}
+            return {
+                row["replica"]: row["count_star()"] for row in json.loads(result.stdout)["rows"]
+            }
+
+        assert wait_for(lambda: fleet_counts() == own, 30), (fleet_counts(), own)
+        print(f"  fleet SQL after recovery: requests per replica {own}")
 
         # every replica now forecasts the types it never served, from the fleet's counts
         for r, d in ds.items():

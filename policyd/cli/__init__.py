@@ -52,6 +52,14 @@ OWN_PARSERS: dict[str, tuple[str, str]] = {
         "experiments.predictor_eval",
         "next-agent accuracy at steps 1..3, cost per call",
     ),
+    "route": (
+        "policyd.fleet.router_service",
+        "the fleet's router: which replica holds a workflow's prefix (HTTP, fed over NATS)",
+    ),
+    "fleet-sim": (
+        "experiments.fleet_sim",
+        "N simulated replicas behind round-robin, sticky, prefix- and workflow-aware routers",
+    ),
     "eval-fleet": (
         "experiments.fleet_learning",
         "a cold replica's next-agent accuracy with and without the fleet's learning",

@@ -36,7 +36,7 @@ from typing import Any, Final
 import zmq
 
 from policyd.core.engine import Engine
-from policyd.core.types import PolicySnapshot
+from policyd.core.types import Event, PolicySnapshot
 from policyd.daemon.bookkeeping import EventBookkeeping
 from policyd.daemon.cache_rows import CacheStatsRows, SizingTracker
 from policyd.daemon.decisions import DecisionDesk, DecisionLog
@@ -55,9 +55,11 @@ from policyd.daemon.stats import stats
 from policyd.daemon.worker import EngineWorker, engine_behind
 from policyd.fleet.deltas import FleetLearning, FleetState
 from policyd.fleet.link import FleetLink, parse_servers
+from policyd.fleet.residency import ResidencyFeed, ResidencyPublisher
 from policyd.history import History, HistoryConfig
 from policyd.history.files import remove_stale_temp_files
 from policyd.history.process import HistoryProcess
+from policyd.history.segments import SegmentExporter
 from policyd.models.predictor import BUILD as PREDICTOR_BUILD
 
 log = logging.getLogger(__name__)
@@ -175,7 +177,12 @@ class Service:
             clock=clock,
             wall_clock=wall_clock,
         )
-        self.engine.hook = self.bookkeeping.observe  # before any event reaches the Engine
+        self.residency = (
+            ResidencyFeed(settings.replica, endpoint=settings.fleet_endpoint)
+            if settings.fleet
+            else None
+        )
+        self.engine.hook = self._engine_hook()  # before any event reaches the Engine
         self.worker = EngineWorker(self.lock, self.engine, self.queue, self.history, self.counts)
         self.desk = DecisionDesk(self.lock, self.engine, self.decisions, self.counts)
         self.publisher = SnapshotPublisher(
@@ -207,6 +214,16 @@ class Service:
             clock=clock,
             wall_clock=wall_clock,
         )
+        # fleet SQL (the API reads these): the segments' source, and the exporter of this
+        # replica's own history into it
+        self.fleet_history = settings.fleet_history
+        self.segments = (
+            SegmentExporter.from_history(
+                self.history, replica=settings.replica, destination=settings.fleet_history
+            )
+            if settings.fleet_history
+            else None
+        )
         self.heap_trimmer = HeapTrimmer()
         self.housekeeping = Housekeeping(
             self._housekeeping_jobs(),
@@ -222,6 +239,19 @@ class Service:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._started = False
+
+    def _engine_hook(self) -> Callable[[Event], None]:
+        """What runs after the Engine applied each event: the bookkeeping, and in a fleet the
+        residency feed the router reads."""
+        observe, residency = self.bookkeeping.observe, self.residency
+        if residency is None:
+            return observe
+
+        def both(event: Event) -> None:
+            observe(event)
+            residency.observe(event)
+
+        return both
 
     def _fleet_link(self) -> FleetLink | None:
         """The JetStream link of a replica in a fleet (``--fleet``), from the checkpoint's
@@ -243,6 +273,7 @@ class Service:
             state=state,
             interval_s=s.fleet_interval_s,
             stream_replicas=s.fleet_stream_replicas,
+            extra_publish=ResidencyPublisher(self.residency) if self.residency else None,
         )
 
     def _housekeeping_jobs(self) -> list[Job]:
@@ -263,6 +294,10 @@ class Service:
             ),
             Job("checkpoint", self.save_checkpoint, lambda: s.checkpoint_interval_s),
         ]
+        if self.segments is not None:
+            jobs.append(
+                Job("fleet-export", self.segments.export, lambda: s.fleet_history_interval_s)
+            )
         if s.heap_trim_interval_s > 0:
             jobs.append(Job("heap_trim", self.heap_trimmer.trim, lambda: s.heap_trim_interval_s))
         return jobs
@@ -358,6 +393,12 @@ class Service:
         except Exception as exc:
             log.exception("closing the history failed")
             self.stop_problems.append(f"closing the history failed: {exc}")
+        if self.segments is not None:
+            try:
+                self.segments.export()  # the final snapshot's rows, for fleet SQL
+            except Exception as exc:
+                log.exception("exporting the last history segments failed")
+                self.stop_problems.append(f"exporting history segments failed: {exc}")
 
     def ready(self) -> dict[str, bool]:
         hist = self.history.stats()

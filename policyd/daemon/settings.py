@@ -184,9 +184,9 @@ class DaemonSettings(BaseSettings):
         default_factory=lambda: (
             re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:64] or "replica"
         ),
-        pattern=r"^[A-Za-z0-9_-]{1,64}$",
-        description="This replica's name in the fleet (letters, digits, - and _; default: the "
-        "host name).",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$",
+        description="This replica's name in the fleet (a letter or digit, then letters, "
+        "digits, - and _; default: the host name).",
     )
     fleet_stream_replicas: int = Field(
         default=1,
@@ -195,7 +195,25 @@ class DaemonSettings(BaseSettings):
         description="Replication of the fleet's JetStream stream (3 on a 3-node NATS cluster).",
     )
     fleet_interval_s: Seconds = Field(
-        default=1.0, description="Seconds between publishing this replica's learning."
+        default=0.25,
+        description="Seconds between publishing this replica's learning and block residency "
+        "(what the fleet's router reads).",
+    )
+    fleet_endpoint: str = Field(
+        default="",
+        max_length=2048,
+        description="This replica's vLLM base URL, announced to the fleet's router "
+        "(http://host:8000).",
+    )
+    fleet_history: str | None = Field(
+        default=None,
+        max_length=4096,
+        description="Where this replica exports its history as Parquet segments for fleet SQL: "
+        "a shared directory (/dir, file:///dir) or a JetStream object store "
+        "(nats://host:4222/bucket).",
+    )
+    fleet_history_interval_s: Seconds = Field(
+        default=60.0, description="Seconds between two exports of history segments."
     )
     checkpoint_dir: Path | None = Field(
         default=None, description="Directory for model checkpoints (default: next to the db)."
