@@ -7,6 +7,7 @@ COPY policyd ./policyd
 COPY experiments ./experiments
 COPY connector ./connector
 COPY ui ./ui
+COPY examples ./examples
 COPY migrations ./migrations
 # editable: policyd.history finds migrations/ next to the policyd package. AGENTKV_COMPILE=1:
 # the predictor compiled with Cython from the same source (setup.py; about a quarter less CPU

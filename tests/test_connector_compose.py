@@ -42,7 +42,10 @@ def compose(*args: str, token: str | None = TOKEN) -> subprocess.CompletedProces
     )
 
 
-@pytest.mark.parametrize("profile", [[], ["--profile", "demo"]])
+PROFILES = [[], ["--profile", "demo"], ["--profile", "fleet"]]
+
+
+@pytest.mark.parametrize("profile", PROFILES)
 def test_compose_file_is_valid(profile: list[str]) -> None:
     result = compose(*profile, "config", "--quiet")
     assert result.returncode == 0, result.stderr
@@ -86,6 +89,45 @@ def test_demo_profile_runs_without_a_gpu() -> None:
     for name in ("demo", "ui-demo"):
         assert "deploy" not in services[name]
     assert services["ui-demo"]["environment"]["POLICYD_API_URL"] == "http://demo:8470"
+
+
+def test_fleet_profile_wires_two_replicas_to_one_nats_cluster_and_the_router() -> None:
+    """Each vLLM replica's connector talks to its own daemon; the daemons learn as one fleet
+    over a 3-node JetStream cluster (stream replicas 3), announce their replica's URL to the
+    router and export their history to one bucket; the proxy routes to those same URLs."""
+    services = resolved("--profile", "fleet")["services"]
+    nats = ["nats-1", "nats-2", "nats-3"]
+    assert {*nats, "vllm-a", "vllm-b", "policyd-a", "policyd-b", "route", "proxy"} <= set(services)
+    for name in nats:
+        cmd = services[name]["command"]
+        assert "-js" in cmd and cmd[cmd.index("--cluster_name") + 1] == "agentkv"
+        routes = cmd[cmd.index("--routes") + 1].split(",")
+        assert sorted(r.split("//")[1].split(":")[0] for r in routes) == [
+            n for n in nats if n != name
+        ]
+        assert "ports" not in services[name]  # the cluster stays inside the compose network
+    servers = "nats://nats-1:4222,nats://nats-2:4222,nats://nats-3:4222"
+    proxy = services["proxy"]["command"]
+    upstreams = dict(proxy[i + 1].split("=", 1) for i, a in enumerate(proxy) if a == "--replica")
+    history = set()
+    for replica in ("a", "b"):
+        cmd = services[f"policyd-{replica}"]["command"]
+        flag = lambda name, cmd=cmd: cmd[cmd.index(name) + 1]  # noqa: E731
+        assert flag("--fleet") == servers and flag("--fleet-stream-replicas") == "3"
+        assert flag("--replica") == replica
+        assert flag("--vllm-events") == f"tcp://vllm-{replica}:5560"
+        assert upstreams[replica] == flag("--fleet-endpoint") == f"http://vllm-{replica}:8000"
+        history.add(flag("--fleet-history"))
+        vllm = services[f"vllm-{replica}"]["command"]
+        transfer = json.loads(vllm[vllm.index("--kv-transfer-config") + 1])
+        extra = transfer["kv_connector_extra_config"]
+        assert extra["agentkv_events_endpoint"] == f"tcp://policyd-{replica}:5557"
+    assert len(history) == 1 and history.pop().endswith("/agentkv-history")
+    route = services["route"]["command"]
+    assert route[:2] == ["policyd", "route"] and route[route.index("--fleet") + 1] == servers
+    assert proxy[proxy.index("--route") + 1] == "http://route:8480"
+    assert (ROOT / proxy[1]).exists()  # examples/fleet_proxy.py, copied into the image
+    assert "COPY examples" in (ROOT / "docker" / "agentkv.Dockerfile").read_text()
 
 
 def project_imports(module_path: Path) -> set[Path]:
@@ -145,7 +187,7 @@ def test_the_connectors_wheel_carries_every_module_the_connector_imports() -> No
         assert str(rel) in copied or f"{rel.parent} " in copied, f"the Dockerfile misses {rel}"
 
 
-@pytest.mark.parametrize("profile", [[], ["--profile", "demo"]])
+@pytest.mark.parametrize("profile", PROFILES)
 def test_the_http_api_is_never_published_beyond_loopback_without_a_token(
     profile: list[str],
 ) -> None:
@@ -154,8 +196,8 @@ def test_the_http_api_is_never_published_beyond_loopback_without_a_token(
     refused = compose(*profile, "config", "--quiet", token=None)
     assert refused.returncode != 0 and "POLICYD_API_TOKEN" in refused.stderr
     services = resolved(*profile)["services"]
-    for name in ("policyd", "ui", "demo", "ui-demo"):
-        if name not in services or (profile == [] and name in ("demo", "ui-demo")):
+    for name in ("policyd", "ui", "demo", "ui-demo", "policyd-a", "policyd-b", "ui-fleet"):
+        if name not in services:
             continue
         service = services[name]
         assert service["environment"]["POLICYD_API_TOKEN"] == TOKEN, name

@@ -17,7 +17,8 @@ per distinct transition) and is sealed at each checkpoint, published when NATS r
 durable consumer (replicated with the stream) resumes where it was.
 
 ``extra_publish`` lets other fleet parts publish on the same connection: each tick it returns
-(subject, payload) pairs sent as plain NATS messages (at most once, e.g. residency updates).
+(subject, payload) pairs sent as plain NATS messages (at most once, e.g. residency updates);
+one larger than the servers' ``max_payload`` (1 MiB by default) is counted and not sent.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class FleetLink:
         self.outbox = FleetOutbox(self.replica, incarnation, sealed=sealed)
         self.published = 0
         self.publish_duplicates = 0  # JetStream said it had the id already
+        self.extra_too_large = 0  # extra messages over the servers' max_payload: not sent
         self.connected = False
         self.connects = 0
         self.errors = 0
@@ -141,6 +143,7 @@ class FleetLink:
             "origins": {f"{r}/{i}": n for (r, i), n in ledger.last_number.items()},
             "merged_transitions": self.learning.merged_transitions,
             "merged_histograms": self.learning.merged_histograms,
+            "extra_too_large": self.extra_too_large,
             "errors": self.errors,
             "last_error": self.last_error,
         }
@@ -262,6 +265,9 @@ class FleetLink:
                 self.outbox.acknowledged(msg_id)
         if self.extra_publish is not None:
             for subject, payload in self.extra_publish():
+                if len(payload) > nc.max_payload:  # (a replica's full residency, say)
+                    self.extra_too_large += 1
+                    continue
                 await nc.publish(subject, payload)
 
     async def _consume(self, sub: Any) -> None:
