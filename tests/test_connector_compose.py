@@ -112,7 +112,10 @@ def test_fleet_profile_wires_two_replicas_to_one_nats_cluster_and_the_router() -
     history = set()
     for replica in ("a", "b"):
         cmd = services[f"policyd-{replica}"]["command"]
-        flag = lambda name, cmd=cmd: cmd[cmd.index(name) + 1]  # noqa: E731
+
+        def flag(name: str, cmd: list[str] = cmd) -> str:
+            return cmd[cmd.index(name) + 1]
+
         assert flag("--fleet") == servers and flag("--fleet-stream-replicas") == "3"
         assert flag("--replica") == replica
         assert flag("--vllm-events") == f"tcp://vllm-{replica}:5560"
