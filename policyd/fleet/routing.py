@@ -378,6 +378,27 @@ def _best_holder(
     return best
 
 
+def _prefix_holder(
+    index: PrefixIndex,
+    prompt: Sequence[int],
+    loads: Mapping[str, float],
+    skip: frozenset[str],
+    reason: str,
+) -> Decision | None:
+    """The candidate (a key of ``loads``, not in ``skip``) holding the longest cached prefix
+    of ``prompt``, said with ``reason`` ("spill" when a skipped one holds more); None when no
+    candidate holds any of it."""
+    if not prompt:
+        return None
+    prefixes = index.prefixes(prompt, _candidates(loads))
+    best = _best_holder(prefixes, loads, skip)
+    if best is None:
+        return None
+    any_holder = _best_holder(prefixes, loads, frozenset())
+    spilled = any_holder is not None and any_holder[0] != best[0]
+    return Decision(best[0], best[1].total, "spill" if spilled else reason)
+
+
 class RoundRobin:
     """The candidates in turn, by name order."""
 
@@ -428,16 +449,10 @@ class PrefixAware:
         self.min_excess = min_excess
 
     def choose(self, query: RouteQuery, loads: Mapping[str, float]) -> Decision:
-        names = _candidates(loads)
+        _candidates(loads)  # (raises NoReplicaError when there is none)
         skip = overloaded(loads, slack=self.slack, min_excess=self.min_excess)
-        if query.block_hashes:
-            prefixes = self.index.prefixes(query.block_hashes, names)
-            best = _best_holder(prefixes, loads, skip)
-            if best is not None:
-                any_holder = _best_holder(prefixes, loads, frozenset())
-                spilled = any_holder is not None and any_holder[0] != best[0]
-                return Decision(best[0], best[1].total, "spill" if spilled else "prefix")
-        return Decision(least_loaded(loads, skip), 0, "least-loaded")
+        decision = _prefix_holder(self.index, query.block_hashes, loads, skip, "prefix")
+        return decision or Decision(least_loaded(loads, skip), 0, "least-loaded")
 
 
 class WorkflowAware:
@@ -507,18 +522,14 @@ class WorkflowAware:
         loads: Mapping[str, float],
         agent: str | None = None,
     ) -> Decision:
-        names = _candidates(loads)
+        _candidates(loads)  # (raises NoReplicaError when there is none)
         skip = overloaded(loads, slack=self.slack, min_excess=self.min_excess)
         record = self.index.workflow(workflow_id)
         prompt = self._prompt_extended(record, agent) or block_hashes
 
-        if prompt:
-            prefixes = self.index.prefixes(prompt, names)
-            best = _best_holder(prefixes, loads, skip)
-            if best is not None:
-                any_holder = _best_holder(prefixes, loads, frozenset())
-                spilled = any_holder is not None and any_holder[0] != best[0]
-                return Decision(best[0], best[1].total, "spill" if spilled else "workflow-prefix")
+        decision = _prefix_holder(self.index, prompt, loads, skip, "workflow-prefix")
+        if decision is not None:
+            return decision
         placed = self._placed.get(workflow_id)
         if placed is not None and placed in loads and placed not in skip:
             return Decision(placed, 0, "placed")
