@@ -11,7 +11,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -32,6 +32,7 @@ from policyd.daemon.server import READY_PREFIX
 from policyd.fleet.router_service import RunningRouteService, start_route_service
 from tests.nats_servers import NatsCluster
 from tests.test_daemon_process import wait_for
+from tests.test_fleet_routing import ThreadServer, load_proxy, upstream
 
 TYPES = {  # replica -> the workflow type it serves and that type's agents, in order
     "r0": ("alpha", ("a-plan", "a-code", "a-test")),
@@ -63,8 +64,8 @@ def workflow(replica: str, n: int) -> list[Event]:
 class Daemon:
     """One `policyd serve --fleet` process, restartable on the same files."""
 
-    def __init__(self, root: Path, replica: str, fleet: str) -> None:
-        self.replica, self.fleet = replica, fleet
+    def __init__(self, root: Path, replica: str, fleet: str, endpoint: str) -> None:
+        self.replica, self.fleet, self.endpoint = replica, fleet, endpoint
         self.segments = root / "segments"
         self.dir = root / replica
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -81,7 +82,7 @@ class Daemon:
                "--fleet", self.fleet, "--replica", self.replica,
                "--fleet-stream-replicas", "3", "--fleet-interval-s", "0.2",
                "--checkpoint-interval-s", "0.5",
-               "--fleet-endpoint", f"http://{self.replica}.invalid:8000",
+               "--fleet-endpoint", self.endpoint,
                "--fleet-history", str(self.segments),
                "--fleet-history-interval-s", "0.5"]  # fmt: skip
         self.proc = subprocess.Popen(
@@ -129,8 +130,8 @@ class Daemon:
 
 
 @contextmanager
-def fleet(root: Path, url: str) -> Iterator[dict[str, Daemon]]:
-    daemons = {r: Daemon(root, r, url) for r in TYPES}
+def fleet(root: Path, url: str, endpoints: dict[str, str]) -> Iterator[dict[str, Daemon]]:
+    daemons = {r: Daemon(root, r, url, endpoints[r]) for r in TYPES}
     try:
         for d in daemons.values():
             d.start()
@@ -141,12 +142,32 @@ def fleet(root: Path, url: str) -> Iterator[dict[str, Daemon]]:
 
 
 @contextmanager
+def replicas_behind_a_proxy(route_url: str) -> Iterator[tuple[dict[str, str], str]]:
+    """A stand-in OpenAI server per replica (the main test venv has no vLLM; it answers with
+    its replica's name) and the example routing proxy in front of them, asking ``route_url``."""
+    ups = {r: ThreadServer(upstream(r)) for r in TYPES}
+    endpoints = {r: server.url for r, server in ups.items()}
+    proxy = ThreadServer(load_proxy().create_app(route_url, endpoints, route_timeout_s=2.0))
+    try:
+        yield endpoints, proxy.url
+    finally:
+        proxy.stop()
+        for server in ups.values():
+            server.stop()
+
+
+@contextmanager
 def routing(servers: list[str]) -> Iterator[RunningRouteService]:
     route = start_route_service(servers)
     try:
         yield route
     finally:
         route.stop()
+
+
+def by_workflow(routed: Callable[[str, str], httpx.Response], replica: str, agent: str) -> bool:
+    """Whether the proxy routed the call by the workflow's cached prefix."""
+    return routed(replica, agent).headers["x-agentkv-route"] == "workflow-prefix"
 
 
 def forecasts(daemon: Daemon, workflow_id: str) -> bool:
@@ -183,8 +204,9 @@ def settled(daemons: dict[str, Daemon]) -> bool:
 def test_fleet_learning_survives_a_nats_node_and_a_daemon_killed(tmp_path: Path) -> None:
     with (
         NatsCluster(tmp_path / "nats", nodes=3) as cluster,
-        fleet(tmp_path, cluster.url) as ds,
         routing(cluster.urls) as route,
+        replicas_behind_a_proxy(route.url) as (endpoints, proxy_url),
+        fleet(tmp_path, cluster.url, endpoints) as ds,
     ):
         for n in range(20):
             for r, d in ds.items():
@@ -225,14 +247,25 @@ def test_fleet_learning_survives_a_nats_node_and_a_daemon_killed(tmp_path: Path)
             assert s["applied"] == sum(n + 1 for n in others.values()), (r, s)
         assert stats["r2"]["incarnation"] != ""  # restarted: a new incarnation publishes
 
-        # the router's index, from every replica's residency: a workflow's next call goes to
-        # the replica holding its transcript
-        with httpx.Client(base_url=route.url, timeout=10) as router:
-            for r, (_, agents) in TYPES.items():
-                decision = router.get("/route", params={"workflow_id": f"{r}-w59",
-                                                        "agent": agents[0]}).json()  # fmt: skip
-                assert decision["replica"] == r, decision
-                assert decision["endpoint"] == f"http://{r}.invalid:8000"
+        # the router's index, from every replica's residency: the next call of a running
+        # workflow, sent to the example proxy, reaches the replica holding its transcript
+        for r, d in ds.items():
+            d.send(workflow(r, 99)[:3])  # its first call, stored and finished; more to come
+
+        def routed(r: str, agent: str) -> httpx.Response:
+            return httpx.post(
+                f"{proxy_url}/v1/chat/completions",
+                json={"model": "m", "messages": [{"role": "user", "content": "next"}]},
+                headers={"X-Workflow-Id": f"{r}-w99", "X-Agent": agent},
+                timeout=10,
+            )
+
+        for r, (_, agents) in TYPES.items():
+            assert wait_for(partial(by_workflow, routed, r, agents[1]), 20), httpx.get(
+                f"{route.url}/replicas"
+            ).text[:2000]
+            answer = routed(r, agents[1])
+            assert answer.status_code == 200 and answer.json()["replica"] == r
 
         # the fleet's history in one statement, after the recovery: each replica's rows as
         # that replica's own SQL counts them
