@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,7 +30,11 @@ from policyd.core.types import (
 )
 from policyd.core.wire import Endpoints
 from policyd.daemon.server import READY_PREFIX
+from policyd.fleet.deltas import FleetLearning
+from policyd.fleet.link import FleetLink
 from policyd.fleet.router_service import RunningRouteService, start_route_service
+from policyd.models.predictor import Predictor
+from policyd.models.shards import Shards
 from tests.nats_servers import NatsCluster
 from tests.test_daemon_process import wait_for
 from tests.test_fleet_routing import ThreadServer, load_proxy, upstream
@@ -304,3 +309,46 @@ def test_fleet_learning_survives_a_nats_node_and_a_daemon_killed(tmp_path: Path)
                 assert wait_for(partial(forecasts, d, wid), 20), (r, wid)
                 assert d.next_agent(wid) == expected, (r, wid)
         assert max(latencies) < 5.0  # never stalled on NATS (a liveness bound, not a speed)
+
+
+def test_a_replica_cut_off_from_nats_keeps_learning_and_catches_up(tmp_path: Path) -> None:
+    """All of NATS away: both links keep their daemons' models usable (merges and learning
+    take the lock only briefly, never across the network); what one replica learnt meanwhile
+    reaches the other once the server is back, through the durable consumer, once."""
+    with NatsCluster(tmp_path / "nats", nodes=1) as cluster:
+        predictors = {r: Predictor(roll_out_unserved=False) for r in ("a", "b")}
+        shards = {r: Shards(rate=1.0) for r in ("a", "b")}
+        locks = {r: threading.RLock() for r in ("a", "b")}
+        links = {
+            r: FleetLink(
+                cluster.urls,
+                r,
+                FleetLearning(predictors[r], partial(shards.__getitem__, r)),
+                locks[r],
+                interval_s=0.1,
+            )
+            for r in ("a", "b")
+        }
+        for link in links.values():
+            link.start()
+        try:
+            assert wait_for(lambda: all(link.connected for link in links.values()), 20)
+            cluster.stop_node(0)
+            assert wait_for(lambda: not links["a"].connected, 20)
+            with locks["a"]:  # replica a serves a type b never saw, while NATS is away
+                for w in range(20):
+                    for ts, agent in enumerate(("x-plan", "x-act", "x-check")):
+                        predictors["a"].observe_call(f"w{w}", "x", agent, {}, float(ts))
+                    predictors["a"].observe_finished(f"w{w}")
+            t0 = time.monotonic()
+            with locks["b"]:  # b's lock is free: its daemon decides as usual
+                assert time.monotonic() - t0 < 1.0
+            cluster.restart_node(0)
+            assert wait_for(lambda: links["b"].stats()["applied"] >= 1, 30), links["b"].stats()
+            with locks["b"]:
+                predictors["b"].observe_call("new", "x", "x-plan", {}, 0.0)
+                assert predictors["b"].predict("new").top(1) == "x-act"
+            assert links["b"].stats()["gaps"] == 0 and links["a"].stats()["outbox"] == 0
+        finally:
+            for link in links.values():
+                link.stop()
