@@ -311,7 +311,10 @@ def test_an_unreachable_object_store_is_one_error_at_once(tmp_path: Path) -> Non
 
 
 def test_policyd_sql_fleet_and_export_segments_from_the_command_line(
-    replicas: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    replicas: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     dest = tmp_path / "fleet"
     for name, snapshot in replicas.items():
@@ -327,6 +330,13 @@ def test_policyd_sql_fleet_and_export_segments_from_the_command_line(
     assert {row["replica"]: row["n"] for row in body["rows"]} == own
     assert policyd_main([*argv, "DELETE FROM requests"]) == 2
     assert "only SELECT queries are allowed" in capsys.readouterr().err
+    # `--fleet "SELECT ..."`: the statement, the source from $POLICYD_FLEET_HISTORY
+    monkeypatch.setenv("POLICYD_FLEET_HISTORY", str(dest))
+    bare = ["sql", "--cache-dir", str(tmp_path / "c"), "--format", "json", "--fleet", sql]
+    assert policyd_main(bare) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == body["rows"]
+    assert policyd_main(["sql", "--fleet"]) == 2  # no statement at all
+    assert "a query is needed" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

@@ -70,7 +70,9 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "holds it). Tables: requests, block_accesses, decisions, predictions, mrc_points, "
         "sizing, cache_stats, settings_changes.",
     )
-    sql.add_argument("query", help='e.g. "SELECT agent, count(*) FROM requests GROUP BY 1"')
+    sql.add_argument(
+        "query", nargs="?", help='e.g. "SELECT agent, count(*) FROM requests GROUP BY 1"'
+    )
     sql.add_argument("--db", type=Path, help=db_help)
     sql.add_argument("--snapshot", type=Path, help="snapshot file (default: next to --db)")
     sql.add_argument("--format", choices=sorted(FORMATS), default="table")
@@ -206,6 +208,8 @@ def _query(args: argparse.Namespace) -> tuple[QueryResult, Path | str]:
     from policyd.history.fleet_sql import query_fleet  # noqa: PLC0415
 
     source = args.fleet
+    if args.query is None:  # `--fleet "SELECT ..."`: the statement, with the source from the env
+        args.query, source = source, FLEET_FROM_ENV
     if source == FLEET_FROM_ENV:
         source = os.environ.get(FLEET_ENV, "").strip()
         if not source:
@@ -219,6 +223,8 @@ def run_sql(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from policyd.history.revisions import HistoryError  # noqa: PLC0415 - see the contract
     from policyd.history.safe_sql import SqlRefused  # noqa: PLC0415
 
+    if args.query is None and args.fleet in (None, FLEET_FROM_ENV):
+        return _fail("sql", 'a query is needed: policyd sql [--fleet SOURCE] "SELECT ..."', 2)
     try:
         result, source = _query(args)
     except SqlRefused as exc:
