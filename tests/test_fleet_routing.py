@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import Any
 
 import httpx
+import msgspec
 import nats
 import pytest
 import uvicorn
@@ -43,6 +44,8 @@ from policyd.fleet.residency import (
     TierChange,
     WorkflowCall,
     decode,
+    join_parts,
+    split_state,
     subject,
 )
 from policyd.fleet.router_service import (
@@ -331,6 +334,32 @@ def test_a_lost_update_is_detected_and_healed_by_a_full_state() -> None:
     index.apply("r1", decode(feed.full()))
     assert not view.stale
     index_matches(index, feed)
+
+
+def test_a_full_state_too_large_for_one_message_travels_in_parts() -> None:
+    """A replica holding more blocks than a NATS message takes (1 MiB by default) sends its
+    full state in parts, each under the limit; the index applies it once all parts are in,
+    whatever their order, and drops the parts of a split a newer one replaced."""
+    feed = ResidencyFeed("r1", epoch=7, endpoint="http://r1:8000")
+    feed.observe(BlocksStored(ts=0, tier="gpu", block_hashes=tuple(range(30_000))))
+    feed.observe(BlocksStored(ts=0, tier="host", block_hashes=tuple(range(50_000, 70_000))))
+    for w in range(50):
+        feed.observe(RequestStarted(ts=0, request_id=f"q{w}", workflow_id=f"w{w}", agent="a",
+                                    block_hashes=tuple(range(w, w + 400))))  # fmt: skip
+    frames = feed.full_parts(max_bytes=100_000)
+    assert len(frames) > 2 and all(len(f) <= 100_000 for f in frames)
+    assert len(feed.full_parts()) == 1  # under the default limit: one message
+    parts = [decode(f) for f in frames]
+    random.Random(3).shuffle(parts)
+    index = PrefixIndex()
+    stale = split_state(feed.state(), 3)[0]  # a part of an older split, never completed
+    index.apply("r1", msgspec.structs.replace(stale, seq=stale.seq - 1))
+    for part in parts[:-1]:
+        index.apply("r1", part)
+        assert index.replica("r1").gpu == set() and not index.workflows  # not yet
+    index.apply("r1", parts[-1])
+    index_matches(index, feed)
+    assert join_parts(split_state(feed.state(), 5)).gpu == feed.state().gpu
 
 
 def test_publisher_sends_updates_and_a_full_state_now_and_then() -> None:

@@ -38,7 +38,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Final
+from typing import Final, TypeVar
 
 import msgspec
 
@@ -54,11 +54,16 @@ from policyd.core.types import (
     WorkflowFinished,
 )
 
+T = TypeVar("T")
+
 SUBJECT_PREFIX: Final = "agentkv.residency"
 MAX_WORKFLOWS: Final = 65_536  # active workflows a feed remembers (oldest call forgotten first)
 MAX_PROMPT_BLOCKS: Final = 65_536  # a prompt's leading blocks kept (about 1M tokens)
 MAX_RUNNING: Final = 262_144  # running requests counted (a lost finish is forgotten oldest first)
 FULL_INTERVAL_S: Final = 3.0
+# a message's size at most: NATS servers' default max_payload (1 MiB), less room for headers
+MAX_MESSAGE_BYTES: Final = 1_000_000
+MAX_PARTS: Final = 4096
 RESIDENCY_VERSION: Final = 1
 
 
@@ -124,6 +129,10 @@ class ResidencyState(_Message, frozen=True, tag="state"):
     gpu: tuple[int, ...] = ()
     host: tuple[int, ...] = ()
     workflows: tuple[WorkflowCall, ...] = ()
+    # a state too large for one NATS message travels in ``parts`` messages (``part`` 0..n-1)
+    # of the same epoch and seq, each with a slice of gpu, host and workflows
+    part: int = 0
+    parts: int = 1
 
 
 Residency = ResidencyUpdate | ResidencyState
@@ -292,6 +301,17 @@ class ResidencyFeed:
         """``state()`` encoded: what the link republishes every few seconds."""
         return encode(self.state())
 
+    def full_parts(self, max_bytes: int = MAX_MESSAGE_BYTES) -> list[bytes]:
+        """``state()`` encoded in as few parts as keep each under ``max_bytes`` (a NATS
+        server's ``max_payload``): one part for a state that fits."""
+        state = self.state()
+        parts = 1
+        while True:
+            frames = [encode(p) for p in split_state(state, parts)]
+            if all(len(f) <= max_bytes for f in frames) or parts >= MAX_PARTS:
+                return frames
+            parts = max(parts * 2, -(-sum(map(len, frames)) // max_bytes) + 1)
+
     # ---- handlers (called with the lock held) ----
 
     def _store(self, tier: Tier, hashes: tuple[int, ...]) -> None:
@@ -354,6 +374,42 @@ class ResidencyFeed:
         self._finished.add(event.workflow_id)
 
 
+def _slice(items: tuple[T, ...], part: int, parts: int) -> tuple[T, ...]:
+    size = -(-len(items) // parts)
+    return items[part * size : (part + 1) * size]
+
+
+def split_state(state: ResidencyState, parts: int) -> list[ResidencyState]:
+    """``state`` as ``parts`` states of the same epoch and seq, each a slice of its blocks and
+    workflows (``join_parts`` puts them back together)."""
+    if parts <= 1:
+        return [state]
+    return [
+        msgspec.structs.replace(
+            state,
+            gpu=_slice(state.gpu, i, parts),
+            host=_slice(state.host, i, parts),
+            workflows=_slice(state.workflows, i, parts),
+            part=i,
+            parts=parts,
+        )
+        for i in range(parts)
+    ]
+
+
+def join_parts(parts: list[ResidencyState]) -> ResidencyState:
+    """The state the ``parts`` of one split carry (every part, any order)."""
+    ordered = sorted(parts, key=lambda p: p.part)
+    return msgspec.structs.replace(
+        ordered[0],
+        gpu=tuple(b for p in ordered for b in p.gpu),
+        host=tuple(b for p in ordered for b in p.host),
+        workflows=tuple(w for p in ordered for w in p.workflows),
+        part=0,
+        parts=1,
+    )
+
+
 class ResidencyPublisher:
     """What a link publishes each tick for one feed: the drained update (if any) and, every
     ``full_interval_s``, the full state, as ``(subject, payload)`` pairs (the shape of
@@ -365,8 +421,10 @@ class ResidencyPublisher:
         *,
         full_interval_s: float = FULL_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
+        max_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
         self.feed = feed
+        self.max_bytes = max_bytes
         self.subject = subject(feed.replica)
         self.full_interval_s = full_interval_s
         self._clock = clock
@@ -380,5 +438,5 @@ class ResidencyPublisher:
         now = self._clock()
         if self._last_full is None or now - self._last_full >= self.full_interval_s:
             self._last_full = now
-            out.append((self.subject, self.feed.full()))
+            out.extend((self.subject, frame) for frame in self.feed.full_parts(self.max_bytes))
         return out

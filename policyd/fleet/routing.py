@@ -42,6 +42,7 @@ from policyd.fleet.residency import (
     ResidencyState,
     ResidencyUpdate,
     WorkflowCall,
+    join_parts,
 )
 
 DEFAULT_SLACK: Final = 1.5
@@ -164,6 +165,8 @@ class PrefixIndex:
         self._max_workflows = max_workflows
         self.replicas: dict[str, ReplicaView] = {}
         self.workflows: dict[str, WorkflowRecord] = {}
+        # per replica, the parts of a split full state received so far
+        self._parts: dict[str, tuple[tuple[int, int, int], dict[int, ResidencyState]]] = {}
         # per agent name, the prefix its prompts share across workflows (its system prompt),
         # and the workflow of its last call
         self.agent_prefixes: dict[str, tuple[int, ...]] = {}
@@ -185,9 +188,27 @@ class PrefixIndex:
             return False
         view = self.replica(replica)
         if isinstance(update, ResidencyState):
+            if update.parts > 1:
+                whole = self._assemble(replica, update)
+                if whole is None:
+                    return True  # a part kept until the others arrive
+                update = whole
             self._apply_state(view, update)
             return True
         return self._apply_update(view, update)
+
+    def _assemble(self, replica: str, part: ResidencyState) -> ResidencyState | None:
+        """The whole state once every part of ``part``'s split arrived, else None; parts of an
+        older split (another epoch or seq) are dropped when a newer one starts."""
+        key = (part.epoch, part.seq, part.parts)
+        held = self._parts.get(replica)
+        if held is None or held[0] != key:
+            held = self._parts[replica] = (key, {})
+        held[1][part.part] = part
+        if len(held[1]) < part.parts:
+            return None
+        del self._parts[replica]
+        return join_parts(list(held[1].values()))
 
     def _apply_state(self, view: ReplicaView, state: ResidencyState) -> None:
         view.epoch, view.seq = state.epoch, state.seq
@@ -294,6 +315,7 @@ class PrefixIndex:
     def drop_replica(self, replica: str) -> None:
         """Forget ``replica`` (it left the fleet) and the workflows recorded on it."""
         self.replicas.pop(replica, None)
+        self._parts.pop(replica, None)
         for wf_id in [w for w, r in self.workflows.items() if r.replica == replica]:
             del self.workflows[wf_id]
 
