@@ -32,6 +32,7 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from policyd.core.http_errors import invalid_request
 from policyd.daemon import views
 from policyd.daemon.service import Service
 from policyd.daemon.settings import TunablesChange, tunables_schema
@@ -140,13 +141,7 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse({"error": exc.message, **exc.extra}, status_code=exc.status)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        parts = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-            parts.append(f"{where or 'body'}: {err.get('msg')}")
-        return JSONResponse({"error": "; ".join(parts)}, status_code=422)
+    app.exception_handler(RequestValidationError)(invalid_request)
 
     @app.exception_handler(HistoryError)
     async def _history(request: Request, exc: HistoryError) -> JSONResponse:

@@ -42,11 +42,12 @@ from typing import Annotated, Any, Final
 import httpx
 import nats
 import uvicorn
-from fastapi import FastAPI, Query, Request
+from fastapi import FastAPI, Query
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from policyd.core.http_errors import invalid_request
 from policyd.fleet.residency import SUBJECT_PREFIX, ResidencyError, decode
 from policyd.fleet.routing import (
     ROUTERS,
@@ -303,13 +304,7 @@ def create_app(state: RouteState, subscriber: ResidencySubscriber | None = None)
 
     app = FastAPI(title="AgentKV fleet router", version="1", lifespan=lifespan)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        parts = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-            parts.append(f"{where or 'body'}: {err.get('msg')}")
-        return JSONResponse({"error": "; ".join(parts)}, status_code=422)
+    app.exception_handler(RequestValidationError)(invalid_request)
 
     @app.get("/route")
     async def route_get(

@@ -452,12 +452,9 @@ class SessionSticky:
         return Decision(replica, 0, "sticky")
 
 
-class PrefixAware:
-    """llm-d's prefix-cache-aware routing: the replica with the longest cached prefix of the
-    call's own ``block_hashes`` (an overloaded holder skipped for the next-best), else the
-    least-loaded replica."""
-
-    name = "prefix"
+class _OverIndex:
+    """A router reading the prefix index, skipping a replica whose load exceeds the mean by
+    ``slack`` (and by ``min_excess`` at least: ``overloaded``)."""
 
     def __init__(
         self,
@@ -470,6 +467,14 @@ class PrefixAware:
         self.slack = slack
         self.min_excess = min_excess
 
+
+class PrefixAware(_OverIndex):
+    """llm-d's prefix-cache-aware routing: the replica with the longest cached prefix of the
+    call's own ``block_hashes`` (an overloaded holder skipped for the next-best), else the
+    least-loaded replica."""
+
+    name = "prefix"
+
     def choose(self, query: RouteQuery, loads: Mapping[str, float]) -> Decision:
         _candidates(loads)  # (raises NoReplicaError when there is none)
         skip = overloaded(loads, slack=self.slack, min_excess=self.min_excess)
@@ -477,7 +482,7 @@ class PrefixAware:
         return decision or Decision(least_loaded(loads, skip), 0, "least-loaded")
 
 
-class WorkflowAware:
+class WorkflowAware(_OverIndex):
     """AgentKV's workflow-aware routing.
 
     For ``query.workflow_id`` the replica holding the longest cached prefix of the prompt the
@@ -502,9 +507,7 @@ class WorkflowAware:
         min_excess: float = DEFAULT_MIN_EXCESS,
         max_placements: int = MAX_PLACEMENTS,
     ) -> None:
-        self.index = index
-        self.slack = slack
-        self.min_excess = min_excess
+        super().__init__(index, slack=slack, min_excess=min_excess)
         self._max_placements = max_placements
         self._placed: dict[str, str] = {}
 
