@@ -187,3 +187,43 @@ def test_too_large_a_request_fails_alike():
     python = outcome(workload, "lru", config, "python")
     assert python[0] == "ValueError" and "raise the GPU capacity" in python[1]
     assert outcome(workload, "lru", config, "compiled") == python
+
+
+# ---- Belady's passes -----------------------------------------------------------------------------
+
+
+def _belady_passes(monkeypatch: pytest.MonkeyPatch, workload: Workload, config: SimConfig) -> int:
+    """Belady's passes on the compiled model with up to 3 allowed (each replay is counted, not
+    replaced), checked equal to the Python model's report."""
+    compiled.warm_up()  # (its replays are not counted)
+    passes: list[bool] = []
+    replay = compiled._replay
+
+    def counted(trace, config, belady_order, started):
+        passes.append(belady_order is not None)
+        return replay(trace, config, belady_order, started)
+
+    monkeypatch.setattr(compiled, "_replay", counted)
+    fast = simulate(workload, "belady", config, belady_passes=3, model="compiled")
+    python = simulate(workload, "belady", config, belady_passes=3, model="python")
+    assert _fields(fast) == _fields(python)
+    assert fast.records == python.records
+    return sum(passes)
+
+
+def test_belady_stops_at_a_fixed_point_of_the_order(monkeypatch):
+    # one call per stream: calls are admitted in stream order whatever hits, so pass 1's order
+    # is the one it was told and a second pass would replay it
+    calls = [c for stream in make_workload("synthetic", seed=2, workflows=12) for c in stream]
+    single = Workload("one call per stream", [(c,) for c in calls])
+    config = SimConfig(concurrency=4, gpu_blocks=900, host_blocks=0, record_requests=True)
+    assert _belady_passes(monkeypatch, single, config) == 1
+
+
+def test_belady_passes_again_while_the_order_moves(monkeypatch):
+    # chats in a closed loop: pass 1 admits calls in another order than LRU's, pass 2 in pass
+    # 1's (so a third would replay pass 2)
+    workload = make_workload("group-chat", seed=3, chats=6, max_calls=30)
+    largest = max(compiled.dense_trace(workload, BLOCK_SIZE_TOKENS).physical_blocks)
+    config = SimConfig(concurrency=4, gpu_blocks=int(largest) + 300, record_requests=True)
+    assert _belady_passes(monkeypatch, workload, config) == 2

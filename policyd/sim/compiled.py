@@ -77,7 +77,8 @@ def compiled_simulate(
 ) -> Report:
     """``simulate`` on the compiled model (``unsupported`` must be None). Belady learns the
     order calls reach the cache as ``simulate`` does: from ``lru_report`` when it has records,
-    else from an LRU replay; then from each of its own passes."""
+    else from an LRU replay; then from each of its own passes, until a pass admits the calls
+    in the order it was told (open-loop traces: the first)."""
     warm_up()
     started = time.perf_counter()
     trace = dense_trace(workload, config.block_tokens)
@@ -105,7 +106,10 @@ def _belady(
     report = None
     for _ in range(passes):
         started = time.perf_counter()
-        report, order = _replay(trace, config, order, started)
+        report, admitted = _replay(trace, config, order, started)
+        if np.array_equal(admitted, order):  # a fixed point: another pass replays this one
+            break
+        order = admitted
     assert report is not None
     return report
 

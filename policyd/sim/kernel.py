@@ -12,10 +12,9 @@ and costs (``CostModel``). Only the containers change: dense block ids index arr
 The tiers' eviction queues:
 
 * LRU (both tiers under ``lru``): a doubly linked list over block ids, ``LruQueue``'s order.
-* Keyed (both tiers under ``belady``): ``KeyedQueue``'s min-heap on (key at push, push order)
-  with lazy deletion; the key packs Belady's (farthest next use, deepest block) into one int64.
-  The heap is compacted when dead entries outnumber live ones, so it stays within twice the
-  tier.
+* Keyed (both tiers under ``belady``): ``KeyedQueue``'s order, (key at push, push order), with
+  lazy deletion, as sorted runs of entries under a heap of their heads (see ``make_queue``); the
+  key packs Belady's (farthest next use, deepest block) into one int64.
 
 State that helper functions change lives in small arrays (``st``: integers, ``ft``: floats),
 indexed by the ``S_*`` / ``F_*`` constants; numba functions cannot rebind their caller's
@@ -83,39 +82,59 @@ IntArray = npt.NDArray[np.int64]
 # A tier's eviction queue is one int64 array (numba passes one array cheaply; a record of
 # arrays costs reference counting per array at every call). Its first slots (``Q_*``) hold the
 # state and the offsets of its regions: for LRU a doubly linked list (``prev``, ``next``), for
-# keyed queues the push number of each block's live entry and the heap (key, push number,
-# block); both kinds have ``queued`` (1: block b is in the queue).
+# keyed queues the regions below; both kinds have ``queued`` (1: block b is in the queue).
+#
+# A keyed queue pops in ``KeyedQueue``'s order, (key at push, push number) ascending, with lazy
+# deletion (``live``: the push number of each block's live entry). Its entries (key, push
+# number, block) are appended to one array in push order and cut into *runs*: a push whose
+# entry does not come before the last one extends the run being pushed, else it starts a new
+# run, so every run is sorted. A 4-ary heap holds one entry per run (the key and push number
+# of its head, and the run). Releasing a call's blocks pushes them deepest first, which for
+# blocks with the same next use is Belady's order: a release is one run, and evicting along it
+# only moves its head, so most pops touch the heap's top alone. A run whose head was deleted
+# keeps a smaller key than its first live entry until it reaches the top, where its head moves
+# on: the top, once its head is live, is the least live entry. When the entries' array is
+# full, the live entries are packed and the heap is rebuilt.
 (
     Q_HEAD,
     Q_TAIL,
     Q_LEN,
     Q_HEAP_SIZE,
-    Q_HEAP_CAP,
+    Q_CAP,  # entries the array holds
     Q_NEXT_SEQ,
     Q_KEYED,
+    Q_END,  # entries used
+    Q_RUNS,  # runs numbered so far
+    Q_OPEN,  # the run that the next push may extend (-1: none)
     Q_PREV,
     Q_NEXT,
     Q_LIVE,
     Q_QUEUED,
-    Q_HEAP_KEY,
-    Q_HEAP_SEQ,
-    Q_HEAP_BLOCK,
-) = range(14)
-Q_SLOTS = 14
+    Q_ENTRIES,
+    Q_RUN_HEAD,
+    Q_RUN_TAIL,
+    Q_HEAP,
+) = range(18)
+Q_SLOTS = 18
+STRIDE = 3  # an entry: key, push number, block (a heap entry: key, push number, run)
+HEAP_ARITY = 4
 
 Queue = IntArray
 
 
 def make_queue(n_ids: int, capacity: int, keyed: bool) -> Queue:
     """An empty queue over ``n_ids`` block ids holding at most ``capacity`` of them."""
-    heap = 2 * min(capacity, n_ids) + 1100 if keyed else 0
-    regions = (0, 0, n_ids, n_ids, heap, heap, heap) if keyed else (n_ids, n_ids, 0, n_ids, 0, 0, 0)
+    cap = 2 * min(capacity, n_ids) + 64 if keyed else 0
+    if keyed:
+        regions = (0, 0, n_ids, n_ids, STRIDE * cap, cap + 1, cap + 1, STRIDE * (cap + 1))
+    else:
+        regions = (n_ids, n_ids, 0, n_ids, 0, 0, 0, 0)
     q = np.zeros(Q_SLOTS + sum(regions), dtype=np.int64)
-    q[Q_HEAD] = q[Q_TAIL] = -1
-    q[Q_HEAP_CAP] = heap
+    q[Q_HEAD] = q[Q_TAIL] = q[Q_OPEN] = -1
+    q[Q_CAP] = cap
     q[Q_KEYED] = int(keyed)
     at = Q_SLOTS
-    for slot, size in zip(range(Q_PREV, Q_HEAP_BLOCK + 1), regions, strict=True):
+    for slot, size in zip(range(Q_PREV, Q_HEAP + 1), regions, strict=True):
         q[slot] = at
         at += size
     if keyed:
@@ -128,84 +147,145 @@ def q_has(q: Queue, b: int) -> bool:
     return bool(q[q[Q_QUEUED] + b] != 0)
 
 
-# ---- the keyed heap ------------------------------------------------------------------------------
+# ---- the keyed queue: sorted runs under a heap of their heads -----------------------------------
+# Entry i starts at slot q[Q_ENTRIES] + STRIDE * i, heap entry i at q[Q_HEAP] + STRIDE * i;
+# helpers address both by that slot.
 
 
 @compiled_inline
-def _before(q: Queue, i: int, j: int) -> bool:
-    key, seq = q[Q_HEAP_KEY], q[Q_HEAP_SEQ]
-    ki, kj = q[key + i], q[key + j]
-    return bool(ki < kj or (ki == kj and q[seq + i] < q[seq + j]))
-
-
-@compiled_inline
-def _swap(q: Queue, i: int, j: int) -> None:
-    for region in (q[Q_HEAP_KEY], q[Q_HEAP_SEQ], q[Q_HEAP_BLOCK]):
-        q[region + i], q[region + j] = q[region + j], q[region + i]
+def _less(q: Queue, at: int, key: int, seq: int) -> bool:
+    """Whether the (heap) entry at slot ``at`` comes before (``key``, ``seq``)."""
+    k = q[at]
+    return bool(k < key or (k == key and q[at + 1] < seq))
 
 
 @compiled
 def _sift_down(q: Queue, i: int, size: int) -> None:
+    """Move heap entry ``i`` down to its place among entries ``0 .. size - 1``."""
+    base = q[Q_HEAP]
+    at = base + STRIDE * i
+    key, seq, run = q[at], q[at + 1], q[at + 2]
     while True:
-        child = 2 * i + 1
-        if child >= size:
+        first = HEAP_ARITY * i + 1
+        if first >= size:
             break
-        if child + 1 < size and _before(q, child + 1, child):
-            child += 1
-        if not _before(q, child, i):
+        best = first
+        best_at = base + STRIDE * first
+        for child in range(first + 1, min(first + HEAP_ARITY, size)):
+            child_at = base + STRIDE * child
+            if _less(q, child_at, q[best_at], q[best_at + 1]):
+                best, best_at = child, child_at
+        if not _less(q, best_at, key, seq):
             break
-        _swap(q, i, child)
-        i = child
+        q[at], q[at + 1], q[at + 2] = q[best_at], q[best_at + 1], q[best_at + 2]
+        i, at = best, best_at
+    q[at], q[at + 1], q[at + 2] = key, seq, run
 
 
 @compiled
-def _is_live(q: Queue, i: int) -> bool:
-    return bool(q[q[Q_LIVE] + q[q[Q_HEAP_BLOCK] + i]] == q[q[Q_HEAP_SEQ] + i])
+def _sift_up(q: Queue, i: int) -> None:
+    """Move heap entry ``i`` up to its place."""
+    base = q[Q_HEAP]
+    at = base + STRIDE * i
+    key, seq, run = q[at], q[at + 1], q[at + 2]
+    while i > 0:
+        parent = (i - 1) // HEAP_ARITY
+        parent_at = base + STRIDE * parent
+        if not (key < q[parent_at] or (key == q[parent_at] and seq < q[parent_at + 1])):
+            break
+        q[at], q[at + 1], q[at + 2] = q[parent_at], q[parent_at + 1], q[parent_at + 2]
+        i, at = parent, parent_at
+    q[at], q[at + 1], q[at + 2] = key, seq, run
+
+
+@compiled_inline
+def _is_live(q: Queue, at: int) -> bool:
+    return bool(q[q[Q_LIVE] + q[at + 2]] == q[at + 1])
 
 
 @compiled
-def _compact(q: Queue) -> None:
-    """Drop dead entries and re-heapify (the order of live entries is unchanged)."""
-    size = 0
-    for i in range(q[Q_HEAP_SIZE]):
-        if _is_live(q, i):
-            for region in (q[Q_HEAP_KEY], q[Q_HEAP_SEQ], q[Q_HEAP_BLOCK]):
-                q[region + size] = q[region + i]
-            size += 1
-    q[Q_HEAP_SIZE] = size
-    for i in range(size // 2 - 1, -1, -1):
-        _sift_down(q, i, size)
+def _pack(q: Queue) -> None:
+    """Keep only live entries, each run's packed in place (runs in the order of the array),
+    renumber the runs, rebuild the heap; no run is open after."""
+    heap, entries = q[Q_HEAP], q[Q_ENTRIES]
+    run_head, run_tail = q[Q_RUN_HEAD], q[Q_RUN_TAIL]
+    size = q[Q_HEAP_SIZE]
+    runs = np.empty(size, dtype=np.int64)
+    starts = np.empty(size, dtype=np.int64)
+    for i in range(size):
+        runs[i] = q[heap + STRIDE * i + 2]
+        starts[i] = q[run_head + runs[i]]
+    end, kept = 0, 0
+    for i in np.argsort(starts):  # left to right: an entry never moves right
+        r = runs[i]
+        first = end
+        for j in range(q[run_head + r], q[run_tail + r]):
+            at = entries + STRIDE * j
+            if _is_live(q, at):
+                to = entries + STRIDE * end
+                q[to], q[to + 1], q[to + 2] = q[at], q[at + 1], q[at + 2]
+                end += 1
+        if end > first:
+            q[run_head + kept], q[run_tail + kept] = first, end
+            h, e = heap + STRIDE * kept, entries + STRIDE * first
+            q[h], q[h + 1], q[h + 2] = q[e], q[e + 1], kept
+            kept += 1
+    q[Q_END], q[Q_RUNS], q[Q_HEAP_SIZE], q[Q_OPEN] = end, kept, kept, -1
+    for i in range((kept - 2) // HEAP_ARITY, -1, -1):
+        _sift_down(q, i, kept)
 
 
 @compiled
-def _heap_push(q: Queue, b: int, key: int) -> None:
-    if q[Q_HEAP_SIZE] >= q[Q_HEAP_CAP] or q[Q_HEAP_SIZE] > 2 * q[Q_LEN] + 1024:
-        _compact(q)
+def _keyed_push(q: Queue, b: int, key: int) -> None:
+    if q[Q_END] >= q[Q_CAP]:
+        _pack(q)
     seq = q[Q_NEXT_SEQ]
     q[Q_NEXT_SEQ] = seq + 1
     q[q[Q_LIVE] + b] = seq
+    end = q[Q_END]
+    at = q[Q_ENTRIES] + STRIDE * end
+    q[at], q[at + 1], q[at + 2] = key, seq, b
+    q[Q_END] = end + 1
+    r = q[Q_OPEN]
+    if r >= 0 and key >= q[at - STRIDE]:  # extends the open run (its last entry is the one
+        q[q[Q_RUN_TAIL] + r] = end + 1  # before; a later push number breaks an equal key)
+        return
+    r = q[Q_RUNS]
+    q[Q_RUNS] = r + 1
+    q[q[Q_RUN_HEAD] + r], q[q[Q_RUN_TAIL] + r] = end, end + 1
+    q[Q_OPEN] = r
     i = q[Q_HEAP_SIZE]
     q[Q_HEAP_SIZE] = i + 1
-    q[q[Q_HEAP_KEY] + i] = key
-    q[q[Q_HEAP_SEQ] + i] = seq
-    q[q[Q_HEAP_BLOCK] + i] = b
-    while i > 0:
-        parent = (i - 1) >> 1
-        if not _before(q, i, parent):
-            break
-        _swap(q, i, parent)
-        i = parent
+    h = q[Q_HEAP] + STRIDE * i
+    q[h], q[h + 1], q[h + 2] = key, seq, r
+    _sift_up(q, i)
 
 
 @compiled
-def _heap_top(q: Queue) -> int:
-    """Pop dead entries off the top; the live top's block (the heap is not empty)."""
-    while not _is_live(q, 0):
-        size = q[Q_HEAP_SIZE] - 1
-        q[Q_HEAP_SIZE] = size
-        _swap(q, 0, size)
-        _sift_down(q, 0, size)
-    return int(q[q[Q_HEAP_BLOCK]])
+def _keyed_top(q: Queue) -> int:
+    """The least live entry's block (the queue is not empty): the top run's head, once dead
+    entries have been skipped and emptied runs dropped."""
+    heap, entries = q[Q_HEAP], q[Q_ENTRIES]
+    run_head, run_tail = q[Q_RUN_HEAD], q[Q_RUN_TAIL]
+    while True:
+        r = q[heap + 2]
+        j, tail = q[run_head + r], q[run_tail + r]
+        while j < tail and not _is_live(q, entries + STRIDE * j):
+            j += 1
+        if j == q[run_head + r]:
+            return int(q[entries + STRIDE * j + 2])
+        q[run_head + r] = j
+        if j < tail:  # the run's head moved: its new key, then its place
+            e = entries + STRIDE * j
+            q[heap], q[heap + 1] = q[e], q[e + 1]
+        else:  # the run is empty: the heap's last entry takes its place
+            if r == q[Q_OPEN]:
+                q[Q_OPEN] = -1
+            size = q[Q_HEAP_SIZE] - 1
+            q[Q_HEAP_SIZE] = size
+            last = heap + STRIDE * size
+            q[heap], q[heap + 1], q[heap + 2] = q[last], q[last + 1], q[last + 2]
+        _sift_down(q, 0, q[Q_HEAP_SIZE])
 
 
 # ---- queue operations (both kinds) ------------------------------------------------------------
@@ -217,7 +297,7 @@ def q_push(q: Queue, b: int, key: int) -> None:
     q[q[Q_QUEUED] + b] = 1
     q[Q_LEN] += 1
     if q[Q_KEYED]:
-        _heap_push(q, b, key)
+        _keyed_push(q, b, key)
         return
     tail = q[Q_TAIL]
     q[q[Q_PREV] + b] = tail
@@ -255,7 +335,7 @@ def q_peek(q: Queue) -> int:
     if q[Q_LEN] == 0:
         return -1
     if q[Q_KEYED]:
-        return _heap_top(q)
+        return _keyed_top(q)
     return int(q[Q_HEAD])
 
 

@@ -318,7 +318,8 @@ def simulate(
     ``belady`` needs the order calls reach the cache, which in a closed loop depends on the
     policy: pass 1 takes the order of an LRU replay (``lru_report``, recorded with
     ``record_requests``, when the caller has one), each further pass the order of the previous
-    Belady replay (with concurrency 1 the order is fixed and one pass is exact).
+    Belady replay, until a pass admits the calls in the order it was told (a fixed point: with
+    concurrency 1, or arrivals fixed by the trace's timestamps, the first pass).
     """
     if model != "python":
         reason = compiled.unsupported(workload, policy_name, config, policy_params)
@@ -342,12 +343,16 @@ def simulate(
     else:
         report = Simulator(workload, make_policy("lru"), recording).run()
     passes = 1 if config.concurrency == 1 else max(1, belady_passes)
+    order = _order_of(report, workload)
     for i in range(passes):
-        future = FutureIndex(_order_of(report, workload))
         last = i == passes - 1
-        report = Simulator(workload, make_policy("belady", future=future), recording).run(
-            progress if last else None
-        )
+        report = Simulator(
+            workload, make_policy("belady", future=FutureIndex(order)), recording
+        ).run(progress if last else None)
+        admitted = _order_of(report, workload)
+        if admitted == order:  # a fixed point: another pass replays this one
+            break
+        order = admitted
     if not config.record_requests:
         report.records.clear()
     return report
