@@ -72,6 +72,11 @@ class Throughput:
     gpu_blocks: int
     host_blocks: int
     rows: list[Row] = dataclasses.field(default_factory=list)
+    # per (concurrency, GPU blocks): LRU's CPU s, Belady's CPU s (every pass, given LRU's
+    # order), and their hit rates
+    oracle: dict[tuple[int, int], tuple[float, float, float, float]] = dataclasses.field(
+        default_factory=dict
+    )
 
     def row(self, simulator: str, what: str) -> Row:
         return next(r for r in self.rows if r.simulator == simulator and r.what == what)
@@ -85,6 +90,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-blocks", type=int, default=120_000)
     parser.add_argument("--host-blocks", type=int, default=480_000)
     parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument(
+        "--oracle-concurrency",
+        default="1,16",
+        help="concurrencies at which Belady's whole cost is set beside an LRU run's (default 1,16)",
+    )
+    parser.add_argument(
+        "--oracle-gpu-blocks",
+        help="GPU tiers of that comparison (default: --gpu-blocks), comma-separated",
+    )
     parser.add_argument(
         "--python-requests",
         type=int,
@@ -126,6 +140,19 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None]) -> Throug
     out.rows.append(_ours("compiled", "lru, GPU + host", again, "lru", host)[0])
     belady = "belady, GPU (its extra cost)"
     out.rows.append(_ours("compiled", belady, workload, "belady", gpu, lru_report=lru)[0])
+    sizes = args.oracle_gpu_blocks or str(args.gpu_blocks)
+    for concurrency in (int(c) for c in args.oracle_concurrency.split(",") if c):
+        for gpu_blocks in (int(g) for g in sizes.split(",") if g):
+            progress(f"the oracle beside LRU, concurrency {concurrency}, {gpu_blocks:,} blocks")
+            at = dataclasses.replace(recording, concurrency=concurrency, gpu_blocks=gpu_blocks)
+            started = time.process_time()
+            lru_at = simulate(workload, "lru", at, model="compiled")
+            lru_s = time.process_time() - started
+            started = time.process_time()
+            oracle = simulate(workload, "belady", at, lru_report=lru_at, model="compiled")
+            belady_s = time.process_time() - started
+            key = (concurrency, gpu_blocks)
+            out.oracle[key] = (lru_s, belady_s, lru_at.hit_rate, oracle.hit_rate)
     head = sequential(calls[: args.python_requests], name=f"{workload.name}-head")
     first = f"first {len(head.streams)} calls"
     progress("ours, Python")
@@ -256,6 +283,29 @@ def render(result: Throughput) -> Table:
     return table
 
 
+def render_oracle(result: Throughput) -> Table:
+    table = Table(
+        title="the oracle's cost beside an LRU run (GPU tier; Belady given the LRU run's "
+        "order, every pass until its order is a fixed point; target: at most 2x)",
+        title_justify="left",
+    )
+    columns = ("concurrency", "GPU blocks", "lru hit", "belady hit", "lru CPU s", "belady CPU s")
+    for column in (*columns, "belady / lru"):
+        table.add_column(column, justify="right")
+    for (concurrency, gpu_blocks), (lru_s, belady_s, lru_hit, hit) in result.oracle.items():
+        ratio = f"{belady_s / lru_s:.2f}x" if lru_s > 0 else ""
+        table.add_row(
+            str(concurrency),
+            f"{gpu_blocks:,}",
+            f"{lru_hit:.3f}",
+            f"{hit:.3f}",
+            f"{lru_s:.3f}",
+            f"{belady_s:.3f}",
+            ratio,
+        )
+    return table
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="policyd throughput", description=__doc__.split("\n")[0])
     add_arguments(parser)
@@ -269,11 +319,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = measure(args, lambda what: print(f"measuring {what} ...", file=sys.stderr, flush=True))
     console = Console() if sys.stdout.isatty() else Console(width=220)
     console.print(render(result))
+    if result.oracle:
+        console.print(render_oracle(result))
     command = shlex.join(["policyd", "throughput", *argv])
     console.print(f"reproduce: {command}", highlight=False)
     if args.json:
         rows = [{**dataclasses.asdict(r), "refs_per_s": r.refs_per_s} for r in result.rows]
         payload = {**dataclasses.asdict(result), "rows": rows, "command": command}
+        payload["oracle"] = [
+            {"concurrency": c, "gpu_blocks": g, "lru_s": a, "belady_s": b, "lru_hit": h, "hit": o}
+            for (c, g), (a, b, h, o) in result.oracle.items()
+        ]
         args.json.write_text(json.dumps(payload, indent=1))
     return 0
 
