@@ -44,6 +44,7 @@ from policyd.sim.replay import CacheModel, SimConfig, simulate
 from policyd.sim.report import Report
 from policyd.traces.location import MOONCAKE, local_trace
 from policyd.traces.mooncake import mooncake_workload
+from policyd.workloads import make_workload
 from policyd.workloads.calls import Call, Workload, sequential
 from policyd.workloads.synthetic import synthetic_agents
 
@@ -63,6 +64,29 @@ class Row:
         return self.refs / self.cpu_s if self.cpu_s > 0 else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class OracleCost:
+    """Belady's whole cost (every pass, given an LRU run's order) beside that LRU run's."""
+
+    workload: str
+    concurrency: int
+    gpu_blocks: int
+    lru_s: float
+    belady_s: float
+    lru_hit: float
+    belady_hit: float
+    one_pass_s: float  # Belady's first pass alone
+    one_pass_hit: float
+
+    @property
+    def ratio(self) -> float:
+        return self.belady_s / self.lru_s if self.lru_s > 0 else 0.0
+
+    @property
+    def one_pass_ratio(self) -> float:
+        return self.one_pass_s / self.lru_s if self.lru_s > 0 else 0.0
+
+
 @dataclass(slots=True)
 class Throughput:
     trace: str
@@ -72,11 +96,7 @@ class Throughput:
     gpu_blocks: int
     host_blocks: int
     rows: list[Row] = dataclasses.field(default_factory=list)
-    # per (concurrency, GPU blocks): LRU's CPU s, Belady's CPU s (every pass, given LRU's
-    # order), and their hit rates
-    oracle: dict[tuple[int, int], tuple[float, float, float, float]] = dataclasses.field(
-        default_factory=dict
-    )
+    oracle: list[OracleCost] = dataclasses.field(default_factory=list)
 
     def row(self, simulator: str, what: str) -> Row:
         return next(r for r in self.rows if r.simulator == simulator and r.what == what)
@@ -98,6 +118,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--oracle-gpu-blocks",
         help="GPU tiers of that comparison (default: --gpu-blocks), comma-separated",
+    )
+    parser.add_argument(
+        "--oracle-workloads",
+        default="",
+        help="generated workloads (closed loops) compared too, at the largest concurrency given, "
+        "GPU tiers of 2x and 4x their largest request; comma-separated (default: none)",
     )
     parser.add_argument(
         "--python-requests",
@@ -140,19 +166,18 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None]) -> Throug
     out.rows.append(_ours("compiled", "lru, GPU + host", again, "lru", host)[0])
     belady = "belady, GPU (its extra cost)"
     out.rows.append(_ours("compiled", belady, workload, "belady", gpu, lru_report=lru)[0])
-    sizes = args.oracle_gpu_blocks or str(args.gpu_blocks)
-    for concurrency in (int(c) for c in args.oracle_concurrency.split(",") if c):
-        for gpu_blocks in (int(g) for g in sizes.split(",") if g):
+    concurrencies = [int(c) for c in args.oracle_concurrency.split(",") if c]
+    sizes = [int(g) for g in (args.oracle_gpu_blocks or str(args.gpu_blocks)).split(",") if g]
+    for concurrency in concurrencies:
+        for gpu_blocks in sizes:
             progress(f"the oracle beside LRU, concurrency {concurrency}, {gpu_blocks:,} blocks")
-            at = dataclasses.replace(recording, concurrency=concurrency, gpu_blocks=gpu_blocks)
-            started = time.process_time()
-            lru_at = simulate(workload, "lru", at, model="compiled")
-            lru_s = time.process_time() - started
-            started = time.process_time()
-            oracle = simulate(workload, "belady", at, lru_report=lru_at, model="compiled")
-            belady_s = time.process_time() - started
-            key = (concurrency, gpu_blocks)
-            out.oracle[key] = (lru_s, belady_s, lru_at.hit_rate, oracle.hit_rate)
+            out.oracle.append(oracle_cost(workload, concurrency, gpu_blocks))
+    for name in (n for n in args.oracle_workloads.split(",") if n):
+        generated = make_workload(name, seed=args.seed)
+        largest = max(len(c.block_hashes) for stream in generated for c in stream)
+        for gpu_blocks in (2 * largest, 4 * largest):
+            progress(f"the oracle beside LRU, {name}, {gpu_blocks:,} blocks")
+            out.oracle.append(oracle_cost(generated, max(concurrencies), gpu_blocks))
     head = sequential(calls[: args.python_requests], name=f"{workload.name}-head")
     first = f"first {len(head.streams)} calls"
     progress("ours, Python")
@@ -163,6 +188,34 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None]) -> Throug
     progress("ours, compiled, the same calls")
     out.rows.append(_ours("compiled", f"lru, GPU, {first}", head, "lru", gpu)[0])
     return out
+
+
+def oracle_cost(workload: Workload, concurrency: int, gpu_blocks: int) -> OracleCost:
+    """An LRU replay recording its order, then Belady given it, on the compiled model."""
+    config = SimConfig(
+        concurrency=concurrency, gpu_blocks=gpu_blocks, host_blocks=0, record_requests=True
+    )
+    simulate(workload, "lru", config, model="compiled")  # the trace's arrays, prepared once
+    started = time.process_time()
+    lru = simulate(workload, "lru", config, model="compiled")
+    lru_s = time.process_time() - started
+    started = time.process_time()
+    oracle = simulate(workload, "belady", config, lru_report=lru, model="compiled")
+    belady_s = time.process_time() - started
+    started = time.process_time()
+    first = simulate(workload, "belady", config, lru_report=lru, belady_passes=1, model="compiled")
+    one_pass_s = time.process_time() - started
+    return OracleCost(
+        workload.name,
+        concurrency,
+        gpu_blocks,
+        lru_s,
+        belady_s,
+        lru.hit_rate,
+        oracle.hit_rate,
+        one_pass_s,
+        first.hit_rate,
+    )
 
 
 def _ours(
@@ -289,19 +342,22 @@ def render_oracle(result: Throughput) -> Table:
         "order, every pass until its order is a fixed point; target: at most 2x)",
         title_justify="left",
     )
-    columns = ("concurrency", "GPU blocks", "lru hit", "belady hit", "lru CPU s", "belady CPU s")
-    for column in (*columns, "belady / lru"):
+    columns = ("workload", "C", "GPU blocks", "lru hit", "belady hit", "lru CPU s", "belady CPU s")
+    for column in (*columns, "belady / lru", "its first pass: hit", "CPU s", "/ lru"):
         table.add_column(column, justify="right")
-    for (concurrency, gpu_blocks), (lru_s, belady_s, lru_hit, hit) in result.oracle.items():
-        ratio = f"{belady_s / lru_s:.2f}x" if lru_s > 0 else ""
+    for o in result.oracle:
         table.add_row(
-            str(concurrency),
-            f"{gpu_blocks:,}",
-            f"{lru_hit:.3f}",
-            f"{hit:.3f}",
-            f"{lru_s:.3f}",
-            f"{belady_s:.3f}",
-            ratio,
+            o.workload,
+            str(o.concurrency),
+            f"{o.gpu_blocks:,}",
+            f"{o.lru_hit:.3f}",
+            f"{o.belady_hit:.3f}",
+            f"{o.lru_s:.3f}",
+            f"{o.belady_s:.3f}",
+            f"{o.ratio:.2f}x",
+            f"{o.one_pass_hit:.3f}",
+            f"{o.one_pass_s:.3f}",
+            f"{o.one_pass_ratio:.2f}x",
         )
     return table
 
@@ -326,10 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         rows = [{**dataclasses.asdict(r), "refs_per_s": r.refs_per_s} for r in result.rows]
         payload = {**dataclasses.asdict(result), "rows": rows, "command": command}
-        payload["oracle"] = [
-            {"concurrency": c, "gpu_blocks": g, "lru_s": a, "belady_s": b, "lru_hit": h, "hit": o}
-            for (c, g), (a, b, h, o) in result.oracle.items()
-        ]
+        payload["oracle"] = [dataclasses.asdict(o) for o in result.oracle]
         args.json.write_text(json.dumps(payload, indent=1))
     return 0
 
