@@ -159,6 +159,12 @@ def _less(q: Queue, at: int, key: int, seq: int) -> bool:
     return bool(k < key or (k == key and q[at + 1] < seq))
 
 
+@compiled_inline
+def _copy(q: Queue, to: int, at: int) -> None:
+    """The entry at slot ``at`` written at slot ``to``."""
+    q[to], q[to + 1], q[to + 2] = q[at], q[at + 1], q[at + 2]
+
+
 @compiled
 def _sift_down(q: Queue, i: int, size: int) -> None:
     """Move heap entry ``i`` down to its place among entries ``0 .. size - 1``."""
@@ -177,7 +183,7 @@ def _sift_down(q: Queue, i: int, size: int) -> None:
                 best, best_at = child, child_at
         if not _less(q, best_at, key, seq):
             break
-        q[at], q[at + 1], q[at + 2] = q[best_at], q[best_at + 1], q[best_at + 2]
+        _copy(q, at, best_at)
         i, at = best, best_at
     q[at], q[at + 1], q[at + 2] = key, seq, run
 
@@ -191,9 +197,9 @@ def _sift_up(q: Queue, i: int) -> None:
     while i > 0:
         parent = (i - 1) // HEAP_ARITY
         parent_at = base + STRIDE * parent
-        if not (key < q[parent_at] or (key == q[parent_at] and seq < q[parent_at + 1])):
+        if _less(q, parent_at, key, seq):  # (push numbers differ: never equal)
             break
-        q[at], q[at + 1], q[at + 2] = q[parent_at], q[parent_at + 1], q[parent_at + 2]
+        _copy(q, at, parent_at)
         i, at = parent, parent_at
     q[at], q[at + 1], q[at + 2] = key, seq, run
 
@@ -222,8 +228,7 @@ def _pack(q: Queue) -> None:
         for j in range(q[run_head + r], q[run_tail + r]):
             at = entries + STRIDE * j
             if _is_live(q, at):
-                to = entries + STRIDE * end
-                q[to], q[to + 1], q[to + 2] = q[at], q[at + 1], q[at + 2]
+                _copy(q, entries + STRIDE * end, at)
                 end += 1
         if end > first:
             q[run_head + kept], q[run_tail + kept] = first, end
@@ -283,8 +288,7 @@ def _keyed_top(q: Queue) -> int:
                 q[Q_OPEN] = -1
             size = q[Q_HEAP_SIZE] - 1
             q[Q_HEAP_SIZE] = size
-            last = heap + STRIDE * size
-            q[heap], q[heap + 1], q[heap + 2] = q[last], q[last + 1], q[last + 2]
+            _copy(q, heap, heap + STRIDE * size)
         _sift_down(q, 0, q[Q_HEAP_SIZE])
 
 
