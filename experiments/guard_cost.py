@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from policyd.core.engine import Engine
 from policyd.core.types import Event, PrefixHit, RequestFinished, RequestStarted
 from policyd.policies.agentkv import AgentKV
-from policyd.policies.guard import RecencyGuard
+from policyd.policies.guard import FILTER, LEARNED, RecencyGuard
 from policyd.workloads import make_workload
 
 
@@ -95,7 +95,7 @@ def measure(
     best = {"guard_s": float("inf"), "unguarded_s": float("inf"), "guarded_s": float("inf")}
     rate = 1.0
     for _ in range(repeats):
-        guard = RecencyGuard()
+        guard = RecencyGuard(arms=(FILTER, LEARNED))  # agentkv's arms
         guard.configure(gpu_blocks=gpu_blocks, host_blocks=host_blocks)
         rate = guard.rate
         best["guard_s"] = min(best["guard_s"], _cpu_s(guard.observe, events))

@@ -123,11 +123,17 @@ def scan() -> tuple[int, ...]:
     return tuple(next(_fresh) for _ in range(5))
 
 
-def run(guard: RecencyGuard, snapshot: PolicySnapshot, rounds: int, resend: bool = False) -> None:
-    """``snapshot`` adopted, then rounds of: ``A``, two scans of new blocks (``resend``: a new
-    prompt, sent twice)."""
+def run(
+    guard: RecencyGuard,
+    snapshot: PolicySnapshot,
+    rounds: int,
+    resend: bool = False,
+    arm: str = "learned",
+) -> None:
+    """``snapshot`` adopted by ``arm``, then rounds of: ``A``, two scans of new blocks
+    (``resend``: a new prompt, sent twice)."""
     host = None if snapshot.host_scores is None else score_map(snapshot.host_scores)
-    guard.adopt(snapshot, score_map(snapshot.scores), host)
+    guard.adopt(snapshot, score_map(snapshot.scores), host, arm=arm)
     for _ in range(rounds):
         fresh = scan()
         for blocks in (fresh, fresh) if resend else (A, scan(), scan()):
@@ -136,8 +142,8 @@ def run(guard: RecencyGuard, snapshot: PolicySnapshot, rounds: int, resend: bool
             guard.observe(RequestFinished(ts=0.0, request_id=event.request_id, output_tokens=0))
 
 
-def small_guard() -> RecencyGuard:
-    guard = RecencyGuard(window=5, min_window_requests=1)
+def small_guard(arms: tuple[str, ...] = ("learned",)) -> RecencyGuard:
+    guard = RecencyGuard(arms=arms, window=5, min_window_requests=1)
     guard.configure(gpu_blocks=1, host_blocks=8)  # the host tier holds A or a scan, not both
     return guard
 
@@ -194,6 +200,25 @@ def test_a_tie_keeps_vllms_default() -> None:
     assert c.windows >= 10 and c.switches_to_learned == 0
 
 
+def test_the_arm_that_wins_is_published_and_a_losing_one_never() -> None:
+    guard = small_guard(arms=("filter", "learned"))
+    run(guard, DECLINE_ALL, rounds=0)  # the learned arm stores no new prompt: it loses
+    run(guard, KEEP_A, rounds=8, arm="filter")  # the filter arm keeps A: it wins
+    c = guard.counters
+    assert guard.published == "filter" and not guard.learned
+    assert c.switches_to_filter == 1 and c.switches_to_learned == 0
+    assert c.filter_shadow_hits > c.default_shadow_hits >= c.learned_shadow_hits
+    assert guard.state()["mode"] == "filter"
+    run(guard, KEEP_A, rounds=12)  # now the learned arm keeps A too, and hits what filter hits
+    assert guard.published == "filter"  # a tie with the published arm switches nothing
+
+
+def test_the_arms_of_a_guard_are_checked() -> None:
+    for arms in ((), ("recency",), ("learned", "learned"), ("bandit",)):
+        with pytest.raises(ValueError, match="arms"):
+            RecencyGuard(arms=arms)
+
+
 def test_the_retired_blocks_leave_the_learned_shadows_gpu_first() -> None:
     shadow = ShadowTiers()
     shadow.configure(gpu_capacity=10, host_capacity=0, rate=1.0)
@@ -244,6 +269,28 @@ def test_agentkv_publishes_vllms_default_while_the_guard_holds_it() -> None:
     assert policy.guard.follower.view is not None  # the learned shadow follows it all the same
     unguarded = AgentKV(gpu_blocks=64, host_blocks=0, guard=False)
     assert unguarded.guard is None
+
+
+def test_agentkv_publishes_the_write_filter_alone_in_the_filter_arm(monkeypatch) -> None:
+    policy = AgentKV(gpu_blocks=64, host_blocks=64)
+    engine = Engine(policy)
+    assert policy.guard is not None and policy.guard.arms == ("recency", "filter", "learned")
+    for i in range(3):
+        engine.apply_event(started((1, 2, 3, 4), wf=f"w{i}", rid=f"r{i}"))
+    learned = engine.snapshot()
+    assert learned.write_filter.mode == "none"  # vLLM's default, published so far
+    policy.guard.published = "filter"  # (as a window's verdict would set it)
+    snap = engine.snapshot()
+    assert snap.write_filter.mode == "conditioned" and snap.write_filter.max_new_blocks > 0
+    assert snap.scores == () and snap.host_scores is None and snap.retired_workflows == ()
+    assert policy.prefetch(8, engine.state) == []
+    refill, extension = tuple(range(100, 10_100)), (1, 2, 3, 4, 5)
+    for pressure in (False, True):  # (the pressure signal forced: the rule is under test)
+        monkeypatch.setattr(policy.admission, "pressure", lambda state, now, p=pressure: p)
+        assert policy.admit("r0", extension, engine.state).block_hashes == extension
+        refilled = policy.admit("r0", refill, engine.state)
+        assert refilled.block_hashes == (() if pressure else refill)
+    assert policy.guard.shadows["filter"].view is not None  # its shadow follows its snapshots
 
 
 def test_bad_settings_are_refused() -> None:

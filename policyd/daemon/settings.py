@@ -525,8 +525,8 @@ class Tunables(BaseModel):
     recency_guard: Literal["on", "off"] = Field(
         default="on",
         description="agentkv: publish vLLM's default (LRU, store everything) unless a sampled "
-        "shadow of its learned decisions hits more than a shadow of vLLM's default on the same "
-        "traffic (policies/guard.py).",
+        "shadow of its learned decisions, or of its write filter alone, hits more than a shadow "
+        "of vLLM's default on the same traffic (policies/guard.py).",
     )
     host_tier_gib: float = Field(
         default=256.0,

@@ -77,6 +77,24 @@ class HostAdmission:
             mode="conditioned", max_new_blocks=self.max_new_blocks, pressure=pressure
         )
 
+    def admit_by_filter(
+        self, request_id: str, block_hashes: Sequence[int], state: EngineState
+    ) -> Admit:
+        """The write filter alone (``write_filter``'s rule, EfficientAgent's): a request
+        adding more than ``max_new_blocks`` new blocks is declined under pressure."""
+        blocks = tuple(block_hashes)
+        new = len(set(blocks).difference(state.resident["host"]))
+        if new > self.max_new_blocks and self.pressure(state, self.pacing.now_ts):
+            self.decisions["declined"] += 1
+            return Admit(
+                request_id=request_id,
+                block_hashes=(),
+                declined=blocks,
+                reason=f"pressure: {new} new blocks > kappa {self.max_new_blocks}",
+            )
+        self.decisions["all"] += 1
+        return Admit(request_id=request_id, block_hashes=blocks, reason="write filter: save")
+
     def admit(
         self, request_id: str, block_hashes: Sequence[int], state: EngineState, *, degraded: bool
     ) -> Admit:

@@ -13,7 +13,8 @@ host tier, and a host-tier admission generalises EfficientAgent's write filter.
 * ``HostAdmission``: the per-request admission and the snapshot's write filter;
 * ``Lifecycle``: retired blocks lowest in both orders; ``PredictorTrust``: while the predictor
   is degraded only ``steps`` is published; ``NextCallPrefetch``: PBKV's prefetch;
-* ``RecencyGuard`` (``guard``): vLLM's default while the learned decisions lose to it.
+* ``RecencyGuard`` (``guard``): vLLM's default while the learned decisions lose to it, or the
+  write filter alone on vLLM's order (the ``filter`` arm, ``guard_filter``) while that wins.
 
 Between snapshots, the blocks a call stores take its prompt's score on the GPU
 (``PolicySnapshot.inherit_scores``).
@@ -39,7 +40,7 @@ from policyd.models.predictor import MIN_BRANCH, Predictor
 from policyd.policies.admission import HostAdmission
 from policyd.policies.efficientagent import WorkingSet
 from policyd.policies.gpu_ranking import GpuRanking
-from policyd.policies.guard import RecencyGuard
+from policyd.policies.guard import FILTER, LEARNED, RECENCY, RecencyGuard
 from policyd.policies.host_order import HostOrder
 from policyd.policies.lifecycle import Lifecycle
 from policyd.policies.lookahead import (
@@ -62,7 +63,9 @@ class AgentKV(PredictorSurface, ScoredPolicy):
     ``min_accuracy``, ``min_observations``, ``prefetch_min_probability``, ``noise``, ``seed``,
     ``predictor``, ``min_branch``); the write filter's and working set's as ``efficientagent``
     takes them (``kappa_chunks``, ``chunk_tokens``, ``theta``, ``window_s``, ``coverage``,
-    ``shards_rate``); the tiers' sizes; ``guard`` (False: the learned decisions always).
+    ``shards_rate``); the tiers' sizes; ``guard`` (False: the learned decisions always);
+    ``guard_filter`` (False: the guard chooses between vLLM's default and the learned
+    decisions only).
 
     Public surface: ``predictor``, ``retired`` and ``calls_seen`` (assignable), ``degraded``,
     ``ranking`` (the GPU's, by name), ``referee``, ``decisions``, ``guard``, ``working_set``,
@@ -96,6 +99,7 @@ class AgentKV(PredictorSurface, ScoredPolicy):
         host_blocks: int = 0,
         gpu_blocks: int = 0,
         guard: bool = True,
+        guard_filter: bool = True,
     ) -> None:
         self.lookahead = Lookahead(
             k=k,
@@ -126,7 +130,8 @@ class AgentKV(PredictorSurface, ScoredPolicy):
             chunk_tokens=chunk_tokens,
             theta=theta,
         )
-        self.guard = RecencyGuard() if guard else None
+        arms = (FILTER, LEARNED) if guard_filter else (LEARNED,)
+        self.guard = RecencyGuard(arms=arms) if guard else None
         self.configure_tiers(gpu_blocks=gpu_blocks, host_blocks=host_blocks)
 
     # -- the public surface ----------------------------------------------------------------------
@@ -152,9 +157,10 @@ class AgentKV(PredictorSurface, ScoredPolicy):
         return self.working_set.sizing()
 
     @property
-    def _holding_default(self) -> bool:
-        """The guard holds vLLM's default: no ranking, retiring, declining or prefetching."""
-        return self.guard is not None and not self.guard.learned
+    def _published(self) -> str:
+        """What is published: the learned decisions, the write filter alone, or vLLM's
+        default (no ranking, retiring, declining or prefetching)."""
+        return LEARNED if self.guard is None else self.guard.published
 
     # -- the policy contract ---------------------------------------------------------------------
 
@@ -177,9 +183,9 @@ class AgentKV(PredictorSurface, ScoredPolicy):
     ) -> PolicySnapshot:
         """The GPU ranking as ``scores``, the host order as ``host_scores``, retired blocks
         lowest in both, each block said once, and the write filter. Computed all the same
-        while the guard holds vLLM's default (the referee and the forecasts keep learning
-        from it, the guard's learned shadow applies it), but then an empty snapshot is
-        published."""
+        while the guard publishes another arm (the referee and the forecasts keep learning
+        from it, the guard's learned shadow applies it); then the write filter alone (the
+        filter arm) or an empty snapshot (vLLM's default) is published."""
         gpu_groups, host_groups = self._ranked(state, degraded=self.trust.judge())
         retired = self.lifecycle.group(gpu_groups)
         gpu_scores, score_of = disjoint(gpu_groups if retired is None else [*gpu_groups, retired])
@@ -202,9 +208,19 @@ class AgentKV(PredictorSurface, ScoredPolicy):
         if self.guard is None:
             return learned
         self.guard.adopt(learned, score_of, self.host_order.published)  # followed, always
-        if self._holding_default:
+        filtered = PolicySnapshot(
+            version=version,
+            ts=now,
+            ttl_s=ttl_s,
+            policy=self.name,
+            write_filter=learned.write_filter,
+        )
+        if FILTER in self.guard.arms:
+            self.guard.adopt(filtered, {}, None, arm=FILTER)
+        published = self.guard.published
+        if published == RECENCY:
             return PolicySnapshot(version=version, ts=now, ttl_s=ttl_s, policy=self.name)
-        return learned
+        return filtered if published == FILTER else learned
 
     def block_scores(self, state: EngineState) -> dict[int, float]:
         """The synchronous path's order: the ranking the referee prefers now (not published
@@ -214,16 +230,22 @@ class AgentKV(PredictorSurface, ScoredPolicy):
         return self.lifecycle.with_retired(score_map(self._groups(values, state)))
 
     def admit(self, request_id: str, block_hashes: Sequence[int], state: EngineState) -> Admit:
-        """``HostAdmission.admit``; everything while the guard holds vLLM's default."""
-        if self._holding_default:
-            blocks = tuple(block_hashes)
-            return Admit(request_id=request_id, block_hashes=blocks, reason="guard: vLLM's default")
-        return self.admission.admit(request_id, block_hashes, state, degraded=self.trust.degraded)
+        """``HostAdmission.admit`` while the learned decisions are published; the write filter
+        alone in the filter arm; everything while the guard holds vLLM's default."""
+        published = self._published
+        if published == LEARNED:
+            return self.admission.admit(
+                request_id, block_hashes, state, degraded=self.trust.degraded
+            )
+        if published == FILTER:
+            return self.admission.admit_by_filter(request_id, block_hashes, state)
+        blocks = tuple(block_hashes)
+        return Admit(request_id=request_id, block_hashes=blocks, reason="guard: vLLM's default")
 
     def prefetch(self, budget_blocks: int, state: EngineState) -> list[int]:
-        """PBKV's conservative prefetch; none while the predictor is degraded or the guard
-        holds vLLM's default."""
-        if self._holding_default or self.trust.degraded:
+        """PBKV's conservative prefetch, with the learned decisions only; none while the
+        predictor is degraded."""
+        if self._published != LEARNED or self.trust.degraded:
             return []
         return self.prefetcher.blocks(budget_blocks, state)
 

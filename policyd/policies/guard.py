@@ -1,54 +1,59 @@
-"""Never behind vLLM's default: a guard that runs the policy's decisions and vLLM's default side
-by side on a sample of the traffic, and publishes vLLM's own behaviour unless the policy's win.
+"""Never behind vLLM's default: a guard that runs vLLM's default and the policy's candidate
+decisions side by side on a sample of the traffic, and publishes vLLM's own behaviour unless a
+candidate wins.
 
-Two sampled shadows (``policies.shadow``) follow the same blocks of the same requests:
+Sampled shadows (``policies.shadow``) follow the same blocks of the same requests, one per
+*arm*:
 
-* **default**: the GPU and host tiers as vLLM runs them without a snapshot (LRU on both,
-  store everything);
-* **learned**: the same tiers applying every snapshot the policy computes - the write filter,
-  the GPU plan, the host order, within the connector's budget per scheduler step - whether
-  or not it is published.
+* **recency**: the GPU and host tiers as vLLM runs them without a snapshot (LRU on both,
+  store everything) - an empty snapshot, what the connector does without one;
+* each of the policy's arms (agentkv: ``filter`` and ``learned``): the same tiers applying
+  every snapshot the policy computes for that arm - the write filter, the GPU plan, the host
+  order, within the connector's budget per scheduler step - whether or not it is published.
 
-Each request's sampled blocks hit in both; the guard compares the two counts (a paired
-comparison: both see the same blocks, so the sample's error is common to both and cancels, and
+Each request's sampled blocks hit in every shadow; the guard compares the counts (a paired
+comparison: all see the same blocks, so the sample's error is common to them and cancels, and
 no calibration against the real tiers is needed). Window by window (``window`` sampled
-references and at least ``min_window_requests`` requests) it adds the window's difference
-``learned - default`` to the evidence against what it publishes (Page's CUSUM: the learned
-shadow's losses while it publishes the learned snapshots, its wins while it publishes vLLM's
-default; the sum held at zero or above, so past windows that went the published way do not
-shield a change), and switches once that evidence exceeds ``confidence`` standard deviations of
-itself (the root of its windows' squares: one window alone never switches, the windows of a
-phase are correlated) plus ``tolerance`` of the default shadow's hits in those windows:
+references and at least ``min_window_requests`` requests) it adds each other arm's difference
+with the published arm to that arm's evidence (Page's CUSUM, held at zero or above, so past
+windows that went the published way do not shield a change), and switches to the arm whose
+evidence most exceeds ``confidence`` standard deviations of itself (the root of its windows'
+squares: one window alone never switches, the windows of a phase are correlated) plus
+``tolerance`` of the recency shadow's hits in those windows. With two arms (recency and
+learned) that is one CUSUM of the evidence against what is published.
 
-* **learned**: the policy's snapshots;
-* **recency**: an empty snapshot (nothing ranked, pinned, retired or declined - exactly what the
-  connector does without a snapshot, vLLM's default).
+It starts in recency: until the sample says a candidate wins, vLLM's default is what runs, so a
+workload where they only tie (GPU-only chats, say) gets exactly vLLM's behaviour.
 
-It starts in recency: until the sample says the learned decisions win, vLLM's default is what
-runs, so a workload where they only tie (GPU-only chats, say) gets exactly vLLM's behaviour.
+Why arms: a policy's decisions can gain at once and cost later (a host order that keeps one
+workflow's copies lets another's go, and the cost comes when that one returns). The shadows see
+both, in that order, so the guard may publish such decisions during the gain and leave the real
+tiers with the cost. A safer candidate - agentkv's ``filter``, the write filter alone on vLLM's
+LRU order, EfficientAgent's decision - gives the guard an arm to win with whose gains do not
+come on such credit (docs/RESULTS.md, *The recency guard*).
 
-Because the learned shadow follows the snapshots while recency is published, a policy that
-starts winning is switched back as soon as its wins clear the margin, without probing on the
-real tiers. Both shadows hold a running request's blocks, its prompt's and those it caches as
-it decodes (``BlocksStored`` on the GPU), until it finishes, as vLLM's pool does.
+Because every shadow follows its arm's snapshots while another arm is published, an arm that
+starts winning is switched to as soon as its wins clear the margin, without probing on the real
+tiers. The shadows hold a running request's blocks, its prompt's and those it caches as it
+decodes (``BlocksStored`` on the GPU), until it finishes, as vLLM's pool does.
 
 The real tiers' hits (``PrefixHit``) are compared with the shadow of what was published, as a
 check of the shadows' fidelity (``state()``'s ``real_hits`` against ``shadow_hits``); they take no
 part in the verdict.
 
-Its cost per event is a hash and a compare per block of a request, and per sampled block two
-tiers' updates and the connector's budgeted plan; per snapshot, a pass over the shadow GPU's
-blocks (``policyd bench-guard`` measures both).
+Its cost per event is a hash and a compare per block of a request, and per sampled block each
+arm's tiers' updates and the connector's budgeted plan; per snapshot, a pass over each shadow
+GPU's blocks (``policyd bench-guard`` measures it).
 
 >>> guard = RecencyGuard(window=4, min_window_requests=1)
 >>> guard.configure(gpu_blocks=2, host_blocks=0)
->>> guard.learned, guard.state()["switches_to_learned"]
-(False, 0)
+>>> guard.published, guard.learned, guard.state()["switches_to_learned"]
+('recency', False, 0)
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Final
 
@@ -64,6 +69,9 @@ from policyd.policies.shadow import BlockSampler, ShadowTiers
 
 MAX_SHADOW_BLOCKS: Final = 8192
 MAX_OPEN_REQUESTS: Final = 65536  # requests never reported finished are forgotten past this
+RECENCY: Final = "recency"  # the arm of vLLM's default: an empty snapshot
+FILTER: Final = "filter"  # a policy's write filter alone, on vLLM's order
+LEARNED: Final = "learned"  # a policy's full decisions
 
 
 @dataclass(slots=True)
@@ -71,21 +79,53 @@ class GuardCounters:
     windows: int = 0
     learned_windows: int = 0
     recency_windows: int = 0
+    filter_windows: int = 0
     switches_to_recency: int = 0
     switches_to_learned: int = 0
+    switches_to_filter: int = 0
     sampled_refs: int = 0
     learned_shadow_hits: int = 0  # sampled blocks the learned shadow hit
-    default_shadow_hits: int = 0  # and the default shadow
+    default_shadow_hits: int = 0  # and the recency (vLLM's default) shadow
+    filter_shadow_hits: int = 0  # and the filter arm's (when the policy has one)
     real_hits: int = 0  # sampled blocks the real tiers hit (requests that reported one)
     shadow_hits: int = 0  # what the shadow of the published decisions hit on those requests
 
 
+# per arm: its counters of windows published and of switches to it
+_ARM_COUNTERS: Final = {
+    RECENCY: ("recency_windows", "switches_to_recency"),
+    FILTER: ("filter_windows", "switches_to_filter"),
+    LEARNED: ("learned_windows", "switches_to_learned"),
+}
+
+
+class _Evidence:
+    """Page's CUSUM of one arm's wins over the published arm, with what its margin needs."""
+
+    __slots__ = ("base", "squares", "total")
+
+    def __init__(self) -> None:
+        self.total = self.squares = self.base = 0.0
+
+    def add(self, difference: float, recency_hits: float) -> None:
+        self.total = max(0.0, self.total + difference)
+        self.squares = self.squares + difference * difference if self.total > 0 else 0.0
+        self.base = self.base + recency_hits if self.total else 0.0
+
+    def excess(self, confidence: float, tolerance: float) -> float:
+        """How far the evidence is past its margin (positive: a switch)."""
+        spread: float = self.squares**0.5
+        return self.total - (confidence * spread + tolerance * self.base)
+
+
 class RecencyGuard:
-    """Chooses, window by window, between the policy's snapshots and vLLM's default."""
+    """Chooses, window by window, between vLLM's default and the policy's arms (``arms``:
+    their names; each arm's snapshots come through ``adopt``)."""
 
     def __init__(
         self,
         *,
+        arms: Sequence[str] = (LEARNED,),
         window: int = 1024,
         min_window_requests: int = 8,
         tolerance: float = 0.01,
@@ -96,23 +136,41 @@ class RecencyGuard:
             raise ValueError("window and max_shadow_blocks >= 1")
         if not 0.0 <= tolerance < 1.0 or confidence < 0.0:
             raise ValueError("tolerance in [0, 1), confidence >= 0")
+        unknown = set(arms) - set(_ARM_COUNTERS)
+        if unknown or RECENCY in arms or len(set(arms)) != len(arms) or not arms:
+            raise ValueError(f"arms are distinct names among filter, learned; got {list(arms)}")
         self.window = window
         self.min_window_requests = min_window_requests
         self.tolerance = tolerance
         self.confidence = confidence
         self.max_shadow_blocks = max_shadow_blocks
         self.counters = GuardCounters()
-        self.learned = False  # vLLM's default until the sample says the learned decisions win
+        self.arms: tuple[str, ...] = (RECENCY, *arms)
+        self.published = RECENCY  # vLLM's default until the sample says an arm wins
         self.sampler = BlockSampler()
-        self.default = ShadowTiers()
-        self.follower = ShadowTiers()  # the learned decisions
+        self.shadows = {arm: ShadowTiers() for arm in self.arms}
         self._active = False  # a tier to shadow
         # request -> (its sampled blocks, the published shadow's hits), until its PrefixHit
         self._pending: dict[str, tuple[tuple[int, ...], int]] = {}
         self._running: dict[str, tuple[int, ...]] = {}  # request -> its sampled blocks
-        self._cusum = self._cusum_sq = self._cusum_default = 0.0  # the evidence for a switch
+        self._evidence = {arm: _Evidence() for arm in self.arms}
         self._window_refs = self._window_requests = 0
-        self._window_diff = self._window_default = 0
+        self._window_hits = dict.fromkeys(self.arms, 0)
+
+    @property
+    def learned(self) -> bool:
+        """The policy's full decisions are published."""
+        return self.published == LEARNED
+
+    @property
+    def default(self) -> ShadowTiers:
+        """The recency shadow: vLLM's default."""
+        return self.shadows[RECENCY]
+
+    @property
+    def follower(self) -> ShadowTiers:
+        """The learned arm's shadow."""
+        return self.shadows[LEARNED]
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -122,7 +180,7 @@ class RecencyGuard:
         reach = gpu + host
         rate = min(1.0, self.max_shadow_blocks / reach) if reach else 1.0
         self.sampler.configure(rate)
-        for shadow in (self.default, self.follower):
+        for shadow in self.shadows.values():
             shadow.configure(
                 gpu_capacity=round(gpu * rate), host_capacity=round(host * rate), rate=rate
             )
@@ -158,15 +216,18 @@ class RecencyGuard:
         snapshot: PolicySnapshot,
         scores: Mapping[int, float],
         host_scores: Mapping[int, float] | None = None,
+        *,
+        arm: str = LEARNED,
     ) -> None:
-        """The policy computed ``snapshot`` (``scores``, ``host_scores``: its two orders as
-        maps): the learned shadow applies it, as the connector would had it been published."""
+        """The policy computed ``snapshot`` for ``arm`` (``scores``, ``host_scores``: its two
+        orders as maps): that arm's shadow applies it, as the connector would had it been
+        published."""
         if self._active:
-            self.follower.adopt(snapshot, scores, host_scores)
+            self.shadows[arm].adopt(snapshot, scores, host_scores)
 
     def _finished(self, sampled: tuple[int, ...]) -> None:
-        self.default.finish(sampled)
-        self.follower.finish(sampled)
+        for shadow in self.shadows.values():
+            shadow.finish(sampled)
 
     def _stored(self, request_id: str, blocks: tuple[int, ...]) -> None:
         """A running request cached more blocks on the GPU (its output, as it decodes): held
@@ -175,8 +236,8 @@ class RecencyGuard:
         known = set(held)
         new = tuple(b for i in self.sampler.positions(blocks) if (b := blocks[i]) not in known)
         if new:
-            self.default.hold(new)
-            self.follower.hold(new)
+            for shadow in self.shadows.values():
+                shadow.hold(new)
             self._running[request_id] = held + new
 
     def _started(self, event: RequestStarted) -> None:
@@ -188,23 +249,26 @@ class RecencyGuard:
             return
         sampled = tuple(blocks[i] for i in positions)
         wf = event.workflow_id
-        default = self.default.start(wf, sampled, positions, len(blocks))
-        learned = self.follower.start(wf, sampled, positions, len(blocks))
+        hits = {
+            arm: shadow.start(wf, sampled, positions, len(blocks))
+            for arm, shadow in self.shadows.items()
+        }
         if len(self._pending) >= MAX_OPEN_REQUESTS:  # never reported: forget the oldest
             self._pending.pop(next(iter(self._pending)))
         if len(self._running) >= MAX_OPEN_REQUESTS:  # never finished: its blocks let go
             self._finished(self._running.pop(next(iter(self._running))))
-        self._pending[event.request_id] = (positions, learned if self.learned else default)
+        self._pending[event.request_id] = (positions, hits[self.published])
         self._running[event.request_id] = sampled
         c = self.counters
         c.sampled_refs += len(sampled)
-        c.learned_shadow_hits += learned
-        c.default_shadow_hits += default
-        diff = learned - default
+        c.default_shadow_hits += hits[RECENCY]
+        c.learned_shadow_hits += hits.get(LEARNED, 0)
+        c.filter_shadow_hits += hits.get(FILTER, 0)
+        window_hits = self._window_hits
+        for arm, n in hits.items():
+            window_hits[arm] += n
         self._window_refs += len(sampled)
         self._window_requests += 1
-        self._window_diff += diff
-        self._window_default += default
         if self._window_refs >= self.window and self._window_requests >= self.min_window_requests:
             self._close_window()
 
@@ -218,37 +282,36 @@ class RecencyGuard:
     # -- the verdict ---------------------------------------------------------------------------
 
     def _close_window(self) -> None:
-        """Page's CUSUM of the evidence against what is published (the learned shadow's loss
-        while learned, its win while recency), each window's difference added, the sum held at
-        zero or above; past ``confidence`` standard deviations of itself (and ``tolerance`` of
-        the default's hits, against a loss) the guard switches, and the sum starts again. Old
-        wins do not shield a new loss: the sum forgets what went the published way."""
-        learned = self.learned
-        evidence = -self._window_diff if learned else self._window_diff
-        self._cusum = max(0.0, self._cusum + evidence)
-        self._cusum_sq = self._cusum_sq + evidence * evidence if self._cusum > 0 else 0.0
-        self._cusum_default = self._cusum_default + self._window_default if self._cusum else 0.0
-        self._window_refs = self._window_requests = 0
-        self._window_diff = self._window_default = 0
+        """Each other arm's difference with the published one added to its evidence (Page's
+        CUSUM, held at zero or above); the arm furthest past its margin (``confidence``
+        standard deviations of its evidence and ``tolerance`` of the recency shadow's hits in
+        its windows), if any, is published next, and every sum starts again. Old wins do not
+        shield a new loss: the sums forget what went the published way."""
+        published, hits = self.published, self._window_hits
         c = self.counters
         c.windows += 1
-        if learned:
-            c.learned_windows += 1
-        else:
-            c.recency_windows += 1
-        margin = self.confidence * self._cusum_sq**0.5 + self.tolerance * self._cusum_default
-        if self._cusum > margin:
-            self.learned = not learned
-            self._cusum = self._cusum_sq = self._cusum_default = 0.0
-            if learned:
-                c.switches_to_recency += 1
-            else:
-                c.switches_to_learned += 1
+        setattr(c, _ARM_COUNTERS[published][0], getattr(c, _ARM_COUNTERS[published][0]) + 1)
+        best, best_excess = published, 0.0
+        for arm in self.arms:
+            if arm == published:
+                continue
+            evidence = self._evidence[arm]
+            evidence.add(hits[arm] - hits[published], hits[RECENCY])
+            excess = evidence.excess(self.confidence, self.tolerance)
+            if excess > best_excess:
+                best, best_excess = arm, excess
+        self._window_refs = self._window_requests = 0
+        self._window_hits = dict.fromkeys(self.arms, 0)
+        if best != published:
+            self.published = best
+            self._evidence = {arm: _Evidence() for arm in self.arms}
+            switches = _ARM_COUNTERS[best][1]
+            setattr(c, switches, getattr(c, switches) + 1)
 
     def state(self) -> dict[str, object]:
         """For stats and the dashboard."""
         return {
-            "mode": "learned" if self.learned else "recency",
+            "mode": self.published,
             "rate": self.rate,
             **asdict(self.counters),
         }

@@ -21,6 +21,13 @@ def _gib(value: Any) -> str:
     return "—" if value is None else f"{float(value) / 1024**3:,.3f} GiB"
 
 
+_GUARD_MODES = {
+    "learned": "learned decisions",
+    "filter": "write filter alone",
+    "recency": "vLLM's default",
+}
+
+
 def _guard_row(guard: dict[str, Any]) -> None:
     """agentkv's recency guard: what it publishes, and the sampled shadows it decides on."""
     learned = int(guard.get("learned_shadow_hits") or 0)
@@ -28,16 +35,23 @@ def _guard_row(guard: dict[str, Any]) -> None:
     row = st.columns(4)
     row[0].metric(
         "guard publishes",
-        "learned decisions" if guard.get("mode") == "learned" else "vLLM's default",
-        help="agentkv publishes its learned decisions only while a sampled shadow of them hits "
-        "more than a shadow of vLLM's default on the same traffic (the recency_guard setting).",
+        _GUARD_MODES.get(str(guard.get("mode")), str(guard.get("mode"))),
+        help="agentkv publishes its learned decisions, or its write filter alone on vLLM's "
+        "order, only while a sampled shadow of them hits more than a shadow of vLLM's default "
+        "on the same traffic (the recency_guard setting).",
     )
     row[1].metric(
         "shadow hits, learned / default",
         f"{learned / default:.3f}x" if default else "—",
-        help=f"{learned:,} / {default:,} sampled blocks hit",
+        help=f"{learned:,} / {default:,} sampled blocks hit; the write filter alone "
+        f"{int(guard.get('filter_shadow_hits') or 0):,}",
     )
-    row[2].metric("switches to learned", f"{int(guard.get('switches_to_learned') or 0):,}")
+    to_filter = int(guard.get("switches_to_filter") or 0)
+    row[2].metric(
+        "switches to learned",
+        f"{int(guard.get('switches_to_learned') or 0):,}",
+        help=f"and {to_filter:,} to the write filter alone",
+    )
     row[3].metric("switches to default", f"{int(guard.get('switches_to_recency') or 0):,}")
 
 
