@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from policyd.core.state import EngineState
 from policyd.core.types import BLOCK_SIZE_TOKENS, Admit, WriteFilter
-from policyd.policies.efficientagent import WorkingSet
+from policyd.policies.efficientagent import WorkingSet, declined_refill
 from policyd.policies.host_order import HostOrder
 from policyd.policies.pacing import WorkflowPacing
 
@@ -86,12 +86,7 @@ class HostAdmission:
         new = len(set(blocks).difference(state.resident["host"]))
         if new > self.max_new_blocks and self.pressure(state, self.pacing.now_ts):
             self.decisions["declined"] += 1
-            return Admit(
-                request_id=request_id,
-                block_hashes=(),
-                declined=blocks,
-                reason=f"pressure: {new} new blocks > kappa {self.max_new_blocks}",
-            )
+            return declined_refill(request_id, blocks, new, self.max_new_blocks)
         self.decisions["all"] += 1
         return Admit(request_id=request_id, block_hashes=blocks, reason="write filter: save")
 

@@ -49,6 +49,19 @@ WorkingSetSource = Literal["shards", "closed-form"]
 KV_BYTES_PER_BLOCK_DEFAULT = 131_072 * BLOCK_SIZE_TOKENS  # Llama-3.1-8B bf16 (profiles.py)
 
 
+def declined_refill(
+    request_id: str, blocks: tuple[int, ...], new_blocks: int, max_new_blocks: int
+) -> Admit:
+    """The write filter's decline: a request adding ``new_blocks`` (more than ``max_new_blocks``)
+    under pressure writes nothing to the host tier."""
+    return Admit(
+        request_id=request_id,
+        block_hashes=(),
+        declined=blocks,
+        reason=f"pressure: {new_blocks} new blocks > kappa {max_new_blocks}",
+    )
+
+
 class WorkingSet:
     """The host-tier pressure signal's inputs, kept online from the event stream.
 
@@ -240,12 +253,7 @@ class EfficientAgent(Policy):
         blocks = tuple(block_hashes)
         if self.pressure_applies() and len(blocks) > self.max_new_blocks:
             self.decisions["skipped"] += 1
-            return Admit(
-                request_id=request_id,
-                block_hashes=(),
-                declined=blocks,
-                reason=f"pressure: {len(blocks)} new blocks > kappa {self.max_new_blocks}",
-            )
+            return declined_refill(request_id, blocks, len(blocks), self.max_new_blocks)
         self.decisions["saved"] += 1
         return Admit(request_id=request_id, block_hashes=blocks, reason="save")
 
