@@ -155,6 +155,9 @@ def start_live_daemon(
         live = leave_mid_flight(run.daemon, workflows=active, seed=seed + 1)
         ask_decisions(run.daemon.http_url, half_workflows(active, seed + 1))
         run.daemon.service.refresh_sizing()  # of the settled state, not the last periodic one
+        # close the interval holding the mid-flight traffic now: later periodic rows see no
+        # new blocks, so a reader's cache history no longer grows under it
+        run.daemon.service.cache_stats.record()
         run.daemon.service.publish_history()
     except BaseException:
         run.stop()

@@ -4,6 +4,7 @@ tier's recommended size) with its ``mrc_points`` / ``sizing`` rows, and the ``ca
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -74,9 +75,10 @@ class SizingTracker:
 
 
 class CacheStatsRows:
-    """Records a ``cache_stats`` row per call (housekeeping's thread only): what ``counts``
-    (the service's counters, read under the lock) and the events shed gained since the last
-    row, with what LRU would have recomputed at the sizing view's current hit ratio."""
+    """Records a ``cache_stats`` row per call: what ``counts`` (the service's counters, read
+    under the lock) and the events shed gained since the last row, with what LRU would have
+    recomputed at the sizing view's current hit ratio. Calls from several threads (the
+    housekeeping job, a caller closing the interval now) each count every change once."""
 
     def __init__(
         self,
@@ -98,17 +100,19 @@ class CacheStatsRows:
         self.wall_clock = wall_clock
         self._mark: dict[str, int] = {}
         self._mark_s = clock()
+        self._interval_lock = threading.Lock()  # one interval closes at a time
 
     def record(self) -> None:
-        with self.lock:
-            current = {k: self.counts[k] for k in CACHE_STATS_KEYS}
-            current["events"] = self.counts["events"]
-        current["events_shed"] = self.queue.counters.events_shed
-        now = self.clock()
-        row: dict[str, object] = {"ts": self.wall_clock(), "interval_s": now - self._mark_s}
-        row.update({k: v - self._mark.get(k, 0) for k, v in current.items()})
-        row["lru_recomputed_blocks"] = lru_recomputed_blocks(
-            self.sizing.view.get("lru_hit_ratio_current"), row["prompt_blocks"]
-        )
-        self._mark, self._mark_s = current, now
-        self.history.record("cache_stats", [row])
+        with self._interval_lock:
+            with self.lock:
+                current = {k: self.counts[k] for k in CACHE_STATS_KEYS}
+                current["events"] = self.counts["events"]
+            current["events_shed"] = self.queue.counters.events_shed
+            now = self.clock()
+            row: dict[str, object] = {"ts": self.wall_clock(), "interval_s": now - self._mark_s}
+            row.update({k: v - self._mark.get(k, 0) for k, v in current.items()})
+            row["lru_recomputed_blocks"] = lru_recomputed_blocks(
+                self.sizing.view.get("lru_hit_ratio_current"), row["prompt_blocks"]
+            )
+            self._mark, self._mark_s = current, now
+            self.history.record("cache_stats", [row])
