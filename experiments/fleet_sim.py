@@ -51,7 +51,7 @@ from typing import Any, Final
 from rich.console import Console
 from rich.table import Table
 
-from experiments.matrix import Source, _load, largest_request, trace_sources
+from experiments.matrix import Source, largest_request, load_source, trace_sources
 from policyd.core.names import ONLINE_POLICY_NAMES
 from policyd.fleet.routing import (
     DEFAULT_SLACK,
@@ -404,7 +404,7 @@ def run_fleet(workload: Workload, spec: FleetSpec) -> FleetResult:
 
 def run_spec(spec: FleetSpec) -> FleetResult:
     """``run_fleet`` on the spec's workload (loaded once per process; a worker's entry)."""
-    return run_fleet(_load(spec.source, 0, spec.streams), spec)
+    return run_fleet(load_source(spec.source, 0, spec.streams), spec)
 
 
 # -- the command -----------------------------------------------------------------------------
@@ -443,7 +443,7 @@ def specs_of(args: argparse.Namespace, console: Console) -> list[FleetSpec]:
     """Every (workload, N, router) run, the capacities per replica from the workload."""
     specs: list[FleetSpec] = []
     for source in sources_of(args):
-        work = _load(source, 0, args.streams)
+        work = load_source(source, 0, args.streams)
         largest = largest_request(work)
         gpu, host = largest * args.gpu_multiple, largest * args.host_multiple
         console.print(

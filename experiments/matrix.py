@@ -87,7 +87,7 @@ class PointResult:
 
 
 @cache
-def _load(source: Source, seed: int, streams: int) -> Workload:
+def load_source(source: Source, seed: int, streams: int) -> Workload:
     """The workload (cached per process): a generator with ``streams`` streams, or the trace's
     first ``source.limit`` workflows in the order ``seed`` gives."""
     if source.path is None:
@@ -132,7 +132,7 @@ def points_of(source: Source, works: Sequence[Workload], seeds: Sequence[int]) -
 def run_point(point: Point, streams: int, profile: str) -> PointResult:
     """Every policy and both references at one point (runs in a worker process)."""
     started = time.perf_counter()
-    work = _load(point.source, point.seed, streams)
+    work = load_source(point.source, point.seed, streams)
     config = SimConfig(
         concurrency=point.concurrency,
         gpu_blocks=point.gpu_blocks,
@@ -355,7 +355,7 @@ def run(args: argparse.Namespace, console: Console) -> list[PointResult]:
     for source in sources_of(args):
         single = source.path is not None and _single_requests(source.path)
         seeds = [0] if single else list(range(args.seeds))  # single requests: time order only
-        works = [_load(source, seed, args.streams) for seed in seeds]
+        works = [load_source(source, seed, args.streams) for seed in seeds]
         points.extend(points_of(source, works, seeds))
     console.print(f"[matrix] {len(points)} points, {args.jobs} processes", style="dim")
     results: list[PointResult] = []

@@ -12,6 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from experiments.guard_fidelity import FidelityPoint, measure, table
+from experiments.matrix import Source, largest_request
 from policyd.core.engine import Engine
 from policyd.core.types import (
     PolicySnapshot,
@@ -23,8 +25,10 @@ from policyd.core.types import (
     score_map,
 )
 from policyd.policies.agentkv import AgentKV
-from policyd.policies.guard import RecencyGuard
+from policyd.policies.guard import FILTER, LEARNED, RECENCY, RecencyGuard
 from policyd.policies.shadow import BlockSampler, ShadowTiers
+from policyd.sim.replay import SimConfig, Simulator
+from policyd.workloads import make_workload
 
 _request_ids = count()
 
@@ -44,8 +48,11 @@ def reference_two_tier_lru(
     requests: list[tuple[int, ...]], gpu_capacity: int, host_capacity: int
 ) -> list[int]:
     """Prefix hits of vLLM's default written plainly: a GPU LRU (a request's blocks touched, its
-    first block last, at its start and again at its finish) and a host LRU that stores every
-    computed block and touches the loaded ones (not those the GPU hit)."""
+    first block last, at its start and again at its finish) and vLLM's offloading connector on
+    its LRU manager: a request offers every block (after a host load, the blocks past the loaded
+    run) and those not stored yet are written, all or none, evicting the least recent blocks it
+    does not offer; at its finish the blocks it offered or loaded become the most recent, its
+    first block last."""
     gpu: OrderedDict[int, None] = OrderedDict()
     host: OrderedDict[int, None] = OrderedDict()
 
@@ -66,9 +73,18 @@ def reference_two_tier_lru(
             hits += 1
         out.append(hits)
         if host_capacity:
-            computed, loaded = blocks[hits:], blocks[on_gpu:hits]
-            touch(host, computed, 1 << 30)
-            touch(host, loaded, host_capacity)
+            loaded = hits > on_gpu
+            offered = blocks[hits:] if loaded else blocks
+            new = [b for b in offered if b not in host]
+            excess = max(0, len(host) + len(new) - host_capacity)
+            victims = [b for b in host if b not in offered][:excess]
+            if len(victims) == excess:
+                for b in victims:
+                    del host[b]
+                host.update(dict.fromkeys(new))
+            for b in reversed(blocks[on_gpu:] if loaded else offered):  # at its finish
+                if b in host:
+                    host.move_to_end(b)
         touch(gpu, blocks, gpu_capacity)  # started
         touch(gpu, blocks, gpu_capacity)  # finished
     return out
@@ -88,28 +104,54 @@ def test_the_default_shadow_unsampled_is_exactly_a_reference_two_tier_lru(
     reqs = [tuple(r) for r in requests]
     expected = reference_two_tier_lru(reqs, gpu_capacity, host_capacity)
     for blocks, want in zip(reqs, expected, strict=True):
-        assert shadow.start("w", blocks, tuple(range(len(blocks))), len(blocks)) == want
-        shadow.finish(blocks)
+        assert shadow.start("r", "w", blocks, tuple(range(len(blocks))), len(blocks)) == want
+        shadow.finish("r", blocks)
 
 
 def test_the_shadows_sample_both_tiers_past_their_size() -> None:
     guard = RecencyGuard(max_shadow_blocks=1000)
     guard.configure(gpu_blocks=500, host_blocks=4000)
     assert guard.rate == pytest.approx(1000 / 4500)
-    event = started(tuple(range(100_000)))
-    guard.observe(event)
+    for i in range(50):  # 100,000 distinct blocks, each request smaller than the host tier
+        event = started(tuple(range(2000 * i, 2000 * (i + 1))))
+        guard.observe(event)
+        if i == 0:  # held while it runs
+            assert len(guard.default.gpu.refs) == guard.counters.sampled_refs
+        guard.observe(RequestFinished(ts=0.0, request_id=event.request_id, output_tokens=0))
     assert 0.20 < guard.counters.sampled_refs / 100_000 < 0.245
-    assert len(guard.default.gpu.refs) == guard.counters.sampled_refs  # held while it runs
-    guard.observe(RequestFinished(ts=0.0, request_id=event.request_id, output_tokens=0))
     for shadow in (guard.default, guard.follower):  # each tier's sampled size
         assert (len(shadow.gpu), len(shadow.host)) == (111, 889)
+
+
+@pytest.mark.parametrize("arm", [RECENCY, LEARNED])
+@pytest.mark.parametrize("workload", ["financial", "code-writing", "synthetic"])
+def test_the_published_arms_shadow_unsampled_hits_what_the_simulators_tiers_hit(
+    workload: str, arm: str
+) -> None:
+    """The guard judges arms by their shadows, so a shadow must read its arm's real tiers: here
+    the simulator's (vLLM's two tiers, checked against the engine), following every block, with
+    ``arm`` published throughout, 8 workflows at a time, both tiers as large as the largest
+    request. The shadow writes a request's blocks to the host when it finishes, vLLM when its
+    prefill ends: close, not equal (within 3.4% at these points)."""
+    work = make_workload(workload, seed=0, workflows=8)
+    size = largest_request(work)
+    policy = AgentKV()
+    assert policy.guard is not None
+    policy.guard.published = arm
+    policy.guard.confidence = 1e18  # kept published, whatever the windows say
+    policy.guard.max_shadow_blocks = 2 * size  # every block followed
+    config = SimConfig(concurrency=8, gpu_blocks=size, host_blocks=size)
+    Simulator(work, policy, config).run()
+    c = policy.guard.counters
+    assert policy.guard.rate == 1.0 and c.real_hits > 1000
+    assert c.shadow_hits == pytest.approx(c.real_hits, rel=0.05)
 
 
 def test_the_learned_shadow_ranks_only_what_its_gpu_caches_highest_first() -> None:
     shadow = ShadowTiers()
     shadow.configure(gpu_capacity=10, host_capacity=0, rate=1.0)
-    shadow.start("w", (1, 2, 3), (0, 1, 2), 3)
-    shadow.finish((1, 2, 3))
+    shadow.start("r", "w", (1, 2, 3), (0, 1, 2), 3)
+    shadow.finish("r", (1, 2, 3))
     snap = PolicySnapshot(version=1, ts=0.0, ttl_s=5.0, policy="agentkv")
     shadow.adopt(snap, {1: 0.5, 3: 2.0, 99: 9.0, 2: -1.0})
     assert shadow.view is not None and shadow.view.top == (3, 1)
@@ -144,7 +186,7 @@ def run(
 
 def small_guard(arms: tuple[str, ...] = ("learned",)) -> RecencyGuard:
     guard = RecencyGuard(arms=arms, window=5, min_window_requests=1)
-    guard.configure(gpu_blocks=1, host_blocks=8)  # the host tier holds A or a scan, not both
+    guard.configure(gpu_blocks=1, host_blocks=10)  # the host tier holds A and one scan, not two
     return guard
 
 
@@ -222,15 +264,15 @@ def test_the_arms_of_a_guard_are_checked() -> None:
 def test_the_retired_blocks_leave_the_learned_shadows_gpu_first() -> None:
     shadow = ShadowTiers()
     shadow.configure(gpu_capacity=10, host_capacity=0, rate=1.0)
-    shadow.start("done", (1, 2, 3), (0, 1, 2), 3)
-    shadow.finish((1, 2, 3))
-    shadow.start("live", (7, 8), (0, 1), 2)  # still running
+    shadow.start("r1", "done", (1, 2, 3), (0, 1, 2), 3)
+    shadow.finish("r1", (1, 2, 3))
+    shadow.start("r2", "live", (7, 8), (0, 1), 2)  # still running
     retire = PolicySnapshot(
         version=1, ts=0.0, ttl_s=5.0, policy="agentkv", retired_workflows=("done",)
     )
     shadow.adopt(retire, {})
     for i in range(3):  # the plan runs at the next lookups, within the connector's budget
-        shadow.start("other", (20 + i,), (0,), 1)
+        shadow.start(f"r{3 + i}", "other", (20 + i,), (0,), 1)
     assert {1, 2, 3}.isdisjoint(shadow.gpu.free_queue) and {7, 8} <= shadow.gpu.refs.keys()
     assert shadow.applier.counters.retired_evicted_blocks == 3
 
@@ -302,3 +344,13 @@ def test_bad_settings_are_refused() -> None:
         RecencyGuard(confidence=-1.0)
     with pytest.raises(ValueError):
         BlockSampler().configure(0.0)
+
+
+def test_guard_fidelity_reports_each_arm_against_lru_and_its_shadow() -> None:
+    """``policyd guard-fidelity``'s measurement: vLLM's default published throughout is LRU
+    exactly, and each shadow's reading is a ratio of real hits."""
+    row = measure(FidelityPoint(Source("synthetic"), 4), streams=4, seed=0)
+    assert row.vs_lru[RECENCY] == 1.0
+    assert set(row.read) == set(row.vs_lru) == {RECENCY, FILTER, LEARNED}
+    assert all(0.9 < r < 1.1 for r in row.read.values()), row.read
+    assert "synthetic" in str(table([row]).columns[0]._cells)

@@ -31,6 +31,10 @@ OWN_PARSERS: dict[str, tuple[str, str]] = {
         "experiments.guard_cost",
         "the recency guard's cost per event beside the engine's",
     ),
+    "guard-fidelity": (
+        "experiments.guard_fidelity",
+        "does each recency-guard shadow read its arm's real tiers?",
+    ),
     "bench-flood": (
         "experiments.flood_bench",
         "a daemon's decision latency, idle and during a flood of unfinished requests",

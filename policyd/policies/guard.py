@@ -209,7 +209,7 @@ class RecencyGuard:
         elif kind is RequestFinished:
             assert isinstance(event, RequestFinished)
             self._pending.pop(event.request_id, None)
-            self._finished(self._running.pop(event.request_id, ()))
+            self._finished(event.request_id, self._running.pop(event.request_id, ()))
 
     def adopt(
         self,
@@ -225,9 +225,9 @@ class RecencyGuard:
         if self._active:
             self.shadows[arm].adopt(snapshot, scores, host_scores)
 
-    def _finished(self, sampled: tuple[int, ...]) -> None:
+    def _finished(self, request_id: str, sampled: tuple[int, ...]) -> None:
         for shadow in self.shadows.values():
-            shadow.finish(sampled)
+            shadow.finish(request_id, sampled)
 
     def _stored(self, request_id: str, blocks: tuple[int, ...]) -> None:
         """A running request cached more blocks on the GPU (its output, as it decodes): held
@@ -250,13 +250,14 @@ class RecencyGuard:
         sampled = tuple(blocks[i] for i in positions)
         wf = event.workflow_id
         hits = {
-            arm: shadow.start(wf, sampled, positions, len(blocks))
+            arm: shadow.start(event.request_id, wf, sampled, positions, len(blocks))
             for arm, shadow in self.shadows.items()
         }
         if len(self._pending) >= MAX_OPEN_REQUESTS:  # never reported: forget the oldest
             self._pending.pop(next(iter(self._pending)))
         if len(self._running) >= MAX_OPEN_REQUESTS:  # never finished: its blocks let go
-            self._finished(self._running.pop(next(iter(self._running))))
+            oldest = next(iter(self._running))
+            self._finished(oldest, self._running.pop(oldest))
         self._pending[event.request_id] = (positions, hits[self.published])
         self._running[event.request_id] = sampled
         c = self.counters

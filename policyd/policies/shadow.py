@@ -12,9 +12,16 @@ estimates the real tier's hits on them.
   finishes they go to the free queue's tail, its first block last (vLLM frees a request's
   blocks tail first, so a prefix is evicted from its end); an allocation evicts the free
   queue's head.
-* host: every block the GPU computes is stored, a loaded block is touched, the least recently
-  stored or loaded is evicted; a block the GPU hits is not touched on the host (vLLM's
-  offloading default). The host tier is the connector's own ``tiers.HostOrder``.
+* host: vLLM's offloading connector with its LRU manager, as the simulator replays it
+  (``policyd.sim.host_writes``): a request offers every prompt block (after a host load, the
+  blocks past the loaded run) and the ones not yet stored are written, all or none, evicting the
+  least recent unoffered blocks; then the blocks it offered or loaded become the most recent, its
+  first block last. A block the GPU hits is offered too (vLLM's store job starts at the prompt's
+  first chunk), so a prefix the GPU keeps stays recent on the host. The host tier is the
+  connector's own ``tiers.HostOrder``. vLLM writes when the prefill ends and re-ranks when the
+  request finishes; the shadow does both when it finishes, the last event the connector sends
+  for it (written at the lookup, a running request's blocks were evicted by the requests
+  starting during its prefill; while it runs its prompt is on the GPU anyway).
 * prefix caching at the sample's resolution: in a request, the sampled blocks after the first
   sampled miss (GPU, then host) miss too.
 
@@ -152,6 +159,9 @@ class ShadowTiers:
         self.budget = StepBudget(self.applier, self.host, DEFAULT_STEP_OPS)
         self.view: SnapshotView | None = None
         self._credit = 0.0  # steps' budgets owed: ``rate`` a request
+        # request -> the host blocks it offered (None: its writes declined), and those it offered
+        # or loaded: written and re-ranked when it finishes
+        self._host_writes: dict[str, tuple[tuple[int, ...] | None, tuple[int, ...]]] = {}
 
     def configure(self, *, gpu_capacity: int, host_capacity: int, rate: float) -> None:
         """The shadow tiers' sizes (sampled blocks) and the sample rate; they start empty, in
@@ -174,6 +184,7 @@ class ShadowTiers:
         )
         self.view = None
         self._credit = 0.0
+        self._host_writes = {}
 
     def adopt(
         self,
@@ -216,12 +227,17 @@ class ShadowTiers:
         )
 
     def start(
-        self, workflow_id: str, sampled: tuple[int, ...], positions: tuple[int, ...], blocks: int
+        self,
+        request_id: str,
+        workflow_id: str,
+        sampled: tuple[int, ...],
+        positions: tuple[int, ...],
+        blocks: int,
     ) -> int:
         """A request of ``blocks`` blocks whose blocks at ``positions`` (``sampled``) are
-        followed: its prefix lookup, its host loads and stores, its blocks held on the GPU.
-        Returns the sampled blocks it hits. The write filter counts the request's new blocks
-        from its first sampled miss on."""
+        followed: its prefix lookup, the write filter's decision on its host writes (made when
+        it finishes), its blocks held on the GPU. Returns the sampled blocks it hits. The write
+        filter counts the request's new blocks from its first sampled miss on."""
         gpu, host = self.gpu, self.host
         n = len(sampled)
         on_gpu = 0  # prefix caching: the GPU prefix, then the host's continuation of it
@@ -232,14 +248,12 @@ class ShadowTiers:
         while hits < n and sampled[hits] in host:
             hits += 1
         if self.host_capacity:
+            loaded = hits > on_gpu
+            offered = sampled[hits:] if loaded else sampled
             new_blocks = blocks - (positions[hits] if hits < n else blocks)
-            if write_allowed(self.view, new_blocks):
-                for block in reversed(sampled[hits:]):  # computed: stored, the head newest
-                    host.insert(block, evictable=True)
-            host.touch(sampled[on_gpu:hits])  # loaded: the host touches them
-            excess = len(host) - self.host_capacity
-            if excess > 0:
-                host.evict(excess)
+            allowed = write_allowed(self.view, new_blocks)  # decided at the lookup
+            used = sampled[on_gpu:] if loaded else offered
+            self._host_writes[request_id] = (offered if allowed else None, used)
         self.ownership.record(workflow_id, sampled)
         held = len(gpu.refs)
         self.applier.make_room(sum(1 for b in sampled if b not in gpu), gpu.capacity - held)
@@ -247,15 +261,38 @@ class ShadowTiers:
         gpu.trim()
         return hits
 
+    def _store(self, offered: tuple[int, ...]) -> None:
+        """vLLM's ``prepare_store``: the offered blocks not yet stored, all or none, evicting
+        blocks the request does not offer."""
+        host = self.host
+        new = [b for b in dict.fromkeys(offered) if b not in host]
+        if not new:
+            return
+        excess = len(host) + len(new) - self.host_capacity
+        if excess > 0:
+            protected = {b for b in offered if b in host}
+            if host.evict(excess, protected) is None:
+                return  # not enough to evict: nothing is stored
+        for block in new:
+            host.insert(block, evictable=True)
+
     def hold(self, sampled: tuple[int, ...]) -> None:
         """A running request cached these blocks (its output): held until it finishes."""
         self.gpu.touch(sampled)
         self.gpu.trim()
 
-    def finish(self, sampled: tuple[int, ...]) -> None:
-        """The request's blocks go to the free queue, its tail first."""
+    def finish(self, request_id: str, sampled: tuple[int, ...]) -> None:
+        """The request's blocks go to the GPU's free queue, its tail first; its host writes
+        are made, and the host blocks it offered or loaded become the most recent, its first
+        block last."""
         self.gpu.free(reversed(sampled))
         self.gpu.trim()
+        writes = self._host_writes.pop(request_id, None)
+        if writes is not None:
+            offered, used = writes
+            if offered:
+                self._store(offered)
+            self.host.touch(used)
 
     def _step(self, hit: frozenset[int]) -> None:
         """The connector's budget at a prefix lookup: a whole step's once every ``1 / rate``
