@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import get_args
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from policyd.core.engine import Engine, EngineState
@@ -186,6 +186,8 @@ def test_admit_answers_for_a_subset_of_the_offered_blocks(
 
 @CONTRACT_SETTINGS
 @given(calls=call_histories(), budget=st.integers(0, 8))
+# two workflows whose prompts are one shared host block: named once
+@example(calls=[("r0", "w1", (0,), "host", True), ("r1", "w2", (0,), "host", True)], budget=2)
 def test_prefetch_respects_the_budget_and_names_host_blocks(
     policy_factory: PolicyFactory,
     calls: list[tuple[str, str, tuple[int, ...], str, bool]],

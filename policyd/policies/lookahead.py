@@ -135,7 +135,8 @@ class NextCallPrefetch:
         self.min_probability = min_probability
 
     def blocks(self, budget_blocks: int, state: EngineState) -> list[int]:
-        """At most ``budget_blocks`` blocks, the likeliest prompts' first."""
+        """At most ``budget_blocks`` distinct blocks, the likeliest prompts' first (a block two
+        likely prompts share is named once, for the likelier)."""
         if budget_blocks <= 0:
             return []
         host, gpu = state.resident["host"], state.resident["gpu"]
@@ -151,14 +152,14 @@ class NextCallPrefetch:
                 blocks = wf.agent_blocks.get(agent)
                 if p >= self.min_probability and blocks:
                     wanted.append((p, blocks))
-        out: list[int] = []
+        out: dict[int, None] = {}
         for _, blocks in sorted(wanted, key=lambda item: -item[0]):
             for b in blocks:
-                if b in host and b not in gpu:
-                    out.append(b)
+                if b in host and b not in gpu and b not in out:
+                    out[b] = None
                     if len(out) >= budget_blocks:
-                        return out
-        return out
+                        return list(out)
+        return list(out)
 
 
 class PredictorSurface:
