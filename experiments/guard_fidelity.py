@@ -33,11 +33,10 @@ ARMS = (RECENCY, FILTER, LEARNED)
 @dataclass(frozen=True, slots=True)
 class FidelityPoint:
     """A workload (generator, or a trace's first ``source.limit`` workflows) at ``concurrency``,
-    GPU and host tiers of ``size_factor`` times its largest request."""
+    GPU and host tiers as large as its largest request."""
 
     source: Source
     concurrency: int
-    size_factor: float = 1.0
 
 
 @dataclass(slots=True)
@@ -61,30 +60,38 @@ GENERATED = (
 def trace_points(traces: Path) -> list[FidelityPoint]:
     """The shared real traces at the evaluation matrix's most contended host-tier points."""
     found = [
-        (traces / "swebench_minisweagent_200.tar.gz", 12, 12, 1.0),
-        (traces / "who_and_when_captainagent", 12, 12, 1.0),
-        (traces / "mooncake" / "synthetic_trace.jsonl", 500, 16, 1.0),
+        (traces / "swebench_minisweagent_200.tar.gz", 12, 12),
+        (traces / "who_and_when_captainagent", 12, 12),
+        (traces / "mooncake" / "synthetic_trace.jsonl", 500, 16),
     ]
     return [
-        FidelityPoint(Source(path.name, str(path), limit), concurrency, factor)
-        for path, limit, concurrency, factor in found
+        FidelityPoint(Source(path.name, str(path), limit), concurrency)
+        for path, limit, concurrency in found
         if path.exists()
     ]
 
 
+def published_throughout(arm: str, shadow_blocks: int) -> AgentKV:
+    """agentkv whose guard publishes ``arm`` whatever its windows say, its shadows following
+    every block of tiers of ``shadow_blocks`` in all (sample rate 1)."""
+    policy = AgentKV()
+    assert policy.guard is not None
+    policy.guard.published = arm
+    policy.guard.confidence = 1e18  # no evidence clears this margin: never switches
+    policy.guard.max_shadow_blocks = shadow_blocks
+    return policy
+
+
 def measure(point: FidelityPoint, streams: int, seed: int) -> Fidelity:
     work = load_source(point.source, seed, streams)
-    blocks = round(largest_request(work) * point.size_factor)
+    blocks = largest_request(work)
     config = SimConfig(concurrency=point.concurrency, gpu_blocks=blocks, host_blocks=blocks)
     lru = Simulator(work, make_policy("lru"), config).run().hit_rate
     out = Fidelity(point, blocks, lru)
     for arm in ARMS:
-        policy = AgentKV()
-        assert policy.guard is not None
-        policy.guard.published = arm
-        policy.guard.confidence = 1e18  # never switches
-        policy.guard.max_shadow_blocks = 2 * blocks  # every block followed
+        policy = published_throughout(arm, 2 * blocks)
         report = Simulator(work, policy, config).run()
+        assert policy.guard is not None
         c = policy.guard.counters
         out.read[arm] = c.shadow_hits / c.real_hits if c.real_hits else float("nan")
         out.vs_lru[arm] = report.hit_rate / lru if lru else float("nan")

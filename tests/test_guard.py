@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.guard_fidelity import FidelityPoint, measure, table
+from experiments.guard_fidelity import FidelityPoint, measure, published_throughout, table
 from experiments.matrix import Source, largest_request
 from policyd.core.engine import Engine
 from policyd.core.types import (
@@ -135,13 +135,10 @@ def test_the_published_arms_shadow_unsampled_hits_what_the_simulators_tiers_hit(
     prefill ends: close, not equal (within 3.4% at these points)."""
     work = make_workload(workload, seed=0, workflows=8)
     size = largest_request(work)
-    policy = AgentKV()
-    assert policy.guard is not None
-    policy.guard.published = arm
-    policy.guard.confidence = 1e18  # kept published, whatever the windows say
-    policy.guard.max_shadow_blocks = 2 * size  # every block followed
+    policy = published_throughout(arm, 2 * size)
     config = SimConfig(concurrency=8, gpu_blocks=size, host_blocks=size)
     Simulator(work, policy, config).run()
+    assert policy.guard is not None
     c = policy.guard.counters
     assert policy.guard.rate == 1.0 and c.real_hits > 1000
     assert c.shadow_hits == pytest.approx(c.real_hits, rel=0.05)
