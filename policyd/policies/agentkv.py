@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
+import msgspec
+
 from policyd.core.policy import Ordering, ScoredPolicy
 from policyd.core.state import EngineState
 from policyd.core.types import (
@@ -51,7 +53,7 @@ from policyd.policies.lookahead import (
 )
 from policyd.policies.outputs import CallOutputs
 from policyd.policies.pacing import WorkflowPacing
-from policyd.policies.rankings import Values, disjoint, summed, to_groups
+from policyd.policies.rankings import Ranked, Values, disjoint, summed, to_groups
 from policyd.policies.referee import RankingReferee
 from policyd.policies.steps import StepsRanking
 
@@ -185,42 +187,44 @@ class AgentKV(PredictorSurface, ScoredPolicy):
         lowest in both, each block said once, and the write filter. Computed all the same
         while the guard publishes another arm (the referee and the forecasts keep learning
         from it, the guard's learned shadow applies it); then the write filter alone (the
-        filter arm) or an empty snapshot (vLLM's default) is published."""
+        filter arm) or an empty snapshot (vLLM's default) is published.
+
+        The guard's shadows read the two orders from their maps, so the snapshot they adopt
+        carries the rest only: the orders' groups, whose retired part can name every block a
+        tier keeps, are built when the learned decisions are published."""
         gpu_groups, host_groups = self._ranked(state, degraded=self.trust.judge())
-        retired = self.lifecycle.group(gpu_groups)
-        gpu_scores, score_of = disjoint(gpu_groups if retired is None else [*gpu_groups, retired])
+        retired = self.lifecycle.mark()
+        gpu = disjoint(gpu_groups, retired)
         pressure = self.admission.pressure(state, now)
-        host_scores = self.host_order.publish(
-            host_groups, state, lifecycle=self.lifecycle, pressure=pressure
-        )
-        learned = PolicySnapshot(
+        host = self.host_order.publish(host_groups, state, retired=retired, pressure=pressure)
+        decisions = PolicySnapshot(
             version=version,
             ts=now,
             ttl_s=ttl_s,
             policy=self.name,
-            scores=gpu_scores,
             default_score=0.0,
             retired_workflows=tuple(w.workflow_id for w in state.workflows.values() if w.done),
             write_filter=self.admission.write_filter(pressure),
-            host_scores=host_scores,
             inherit_scores=True,
         )
         if self.guard is None:
-            return learned
-        self.guard.adopt(learned, score_of, self.host_order.published)  # followed, always
+            return _with_orders(decisions, gpu, host, self.lifecycle)
+        self.guard.adopt(decisions, gpu.scores, host.scores)  # followed, always
         filtered = PolicySnapshot(
             version=version,
             ts=now,
             ttl_s=ttl_s,
             policy=self.name,
-            write_filter=learned.write_filter,
+            write_filter=decisions.write_filter,
         )
         if FILTER in self.guard.arms:
             self.guard.adopt(filtered, {}, None, arm=FILTER)
         published = self.guard.published
         if published == RECENCY:
             return PolicySnapshot(version=version, ts=now, ttl_s=ttl_s, policy=self.name)
-        return filtered if published == FILTER else learned
+        return (
+            filtered if published == FILTER else _with_orders(decisions, gpu, host, self.lifecycle)
+        )
 
     def block_scores(self, state: EngineState) -> dict[int, float]:
         """The synchronous path's order: the ranking the referee prefers now (not published
@@ -279,3 +283,12 @@ class AgentKV(PredictorSurface, ScoredPolicy):
 
     def _groups(self, values: Values, state: EngineState) -> list[ScoredBlocks]:
         return self.outputs.scored(to_groups(values, state), state)
+
+
+def _with_orders(
+    decisions: PolicySnapshot, gpu: Ranked, host: Ranked, lifecycle: Lifecycle
+) -> PolicySnapshot:
+    """``decisions`` with the GPU's order as ``scores`` and the host's as ``host_scores``."""
+    return msgspec.structs.replace(
+        decisions, scores=gpu.published(lifecycle), host_scores=host.published(lifecycle)
+    )

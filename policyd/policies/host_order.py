@@ -19,14 +19,14 @@ with what it would displace in the same order (docs/RESULTS.md, *agentkv vs ever
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from policyd.core.state import EngineState
 from policyd.core.types import ScoredBlocks
-from policyd.policies.lifecycle import Lifecycle
+from policyd.policies.lifecycle import RetiredMark
 from policyd.policies.lookahead import Lookahead
 from policyd.policies.pacing import WorkflowPacing
-from policyd.policies.rankings import Values, added, disjoint
+from policyd.policies.rankings import Ranked, Values, added, disjoint
 from policyd.policies.steps import StepsRanking
 
 RESIDENCY_BONUS = 0.2  # a resident copy's score is raised by this share while the tier thrashes
@@ -39,7 +39,7 @@ class HostOrder:
         self.steps = steps
         self.lookahead = lookahead
         self.pacing = pacing
-        self.published: dict[int, float] = {}  # block -> host score in the last snapshot
+        self.published: Mapping[int, float] = {}  # block -> host score in the last snapshot
 
     def ranking(
         self, steps: Values, ahead: Values, both: Values, state: EngineState, *, host_tier: bool
@@ -65,18 +65,16 @@ class HostOrder:
         groups: Sequence[ScoredBlocks],
         state: EngineState,
         *,
-        lifecycle: Lifecycle,
+        retired: RetiredMark,
         pressure: bool,
-    ) -> tuple[ScoredBlocks, ...]:
+    ) -> Ranked:
         """The ranking's ``groups`` as the snapshot's ``host_scores``: resident copies raised
-        under ``pressure``, retired blocks lowest, each block said once; kept as
-        ``published``."""
+        under ``pressure``, the blocks ``retired`` (a lifecycle's mark, taken now) that no group
+        names lowest, each block said once; its scores kept as ``published``."""
         ordered = self._resident_first(groups, state) if pressure else list(groups)
-        retired = lifecycle.group(ordered)
-        if retired is not None:
-            ordered.append(retired)
-        host_scores, self.published = disjoint(ordered)
-        return host_scores
+        ranked = disjoint(ordered, retired)
+        self.published = ranked.scores
+        return ranked
 
     def _resident_first(
         self, groups: Sequence[ScoredBlocks], state: EngineState

@@ -8,7 +8,8 @@ agent's shared prefix, its system prompt, before the next workflow calls the age
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Collection, Iterator, Sequence
 
 from policyd.core.state import EngineState
 from policyd.core.types import (
@@ -22,48 +23,128 @@ from policyd.core.types import (
 RETIRED_SCORE = -1.0
 
 
+class RetiredMark:
+    """Which blocks were retired at one moment (``Lifecycle.mark``), answered for as long as it
+    is held: ``retired(block)``. The lifecycle logs, for every mark still held, the blocks whose
+    retirement changed since, with what it was then."""
+
+    __slots__ = ("__weakref__", "_base", "_lifecycle", "_was")
+
+    def __init__(self, lifecycle: Lifecycle) -> None:
+        self._lifecycle = lifecycle
+        self._was: dict[int, bool] = {}  # block changed since -> retired at the mark
+        self._base: set[int] | None = None  # the set at the mark, once replaced whole since
+
+    def freeze(self, retired: set[int]) -> None:
+        """The lifecycle replaced its set ``retired`` whole: it is this mark's from now on (the
+        lifecycle changes it no more), unless an earlier replacement gave the mark its own."""
+        if self._base is None:
+            self._base = retired
+
+    def log(self, blocks: Collection[int], retired: set[int]) -> None:
+        """``blocks`` are about to change in the lifecycle's set ``retired``: remember, for
+        those not logged yet, whether they were retired at the mark."""
+        was = self._was
+        then = retired if self._base is None else self._base
+        for block in blocks:
+            if block not in was:
+                was[block] = block in then
+
+    def retired(self, block: int) -> bool:
+        was = self._was.get(block)
+        if was is not None:
+            return was
+        return block in (self._lifecycle.retired if self._base is None else self._base)
+
+    def blocks(self) -> Iterator[int]:
+        """Every block retired at the mark (a walk over the retired set)."""
+        now = self._lifecycle.retired if self._base is None else self._base
+        return (b for b in now | self._was.keys() if self.retired(b))
+
+
 class Lifecycle:
     """The retired blocks still resident somewhere, kept from the event stream.
 
     ``retired`` may be replaced whole (the daemon rebuilds it from the engine state when it swaps
-    policies). A block leaves it when a new request references it, or once neither tier holds
-    it."""
+    policies); it is changed here only, never in place by a reader. A block leaves it when a new
+    request references it, or once neither tier holds it.
+
+    A snapshot's scores ask which blocks were retired when it was taken for as long as a tier
+    holds it, without a copy of the set per snapshot (it can hold every block the tiers keep):
+    ``mark`` returns a ``RetiredMark``, and while it is held the blocks whose retirement
+    changes are logged in it with what it was."""
 
     def __init__(self) -> None:
-        self.retired: set[int] = set()
+        self._retired: set[int] = set()
+        self._marks: weakref.WeakSet[RetiredMark] = weakref.WeakSet()
+
+    @property
+    def retired(self) -> set[int]:
+        """The retired blocks now (read only: change it by replacing it whole)."""
+        return self._retired
+
+    @retired.setter
+    def retired(self, blocks: set[int]) -> None:
+        for mark in self._marks:
+            mark.freeze(self._retired)
+        self._retired = blocks
 
     def observe(self, event: Event, state: EngineState) -> None:
         kind = type(event)
+        retired = self._retired
         if kind is RequestStarted:
             assert isinstance(event, RequestStarted)
-            self.retired.difference_update(event.block_hashes)
+            self._remove(retired.intersection(event.block_hashes))
         elif kind is WorkflowFinished:
             assert isinstance(event, WorkflowFinished)
             wf = state.workflows.get(event.workflow_id)
             if wf is not None:
-                self.retired.update(b for b in wf.blocks if state.is_retired(b))
+                # in the workflow's order, as the set has always been filled
+                added = [b for b in wf.blocks if b not in retired and state.is_retired(b)]
+                self._log(added)
+                retired.update(added)
         elif kind is BlocksRemoved:
             assert isinstance(event, BlocksRemoved)
-            if not self.retired:
+            if not retired:
                 return
             resident = state.resident
-            self.retired.difference_update(
-                b
-                for b in event.block_hashes
-                if b not in resident["gpu"] and b not in resident["host"]
+            gpu, host = resident["gpu"], resident["host"]
+            self._remove(
+                [b for b in event.block_hashes if b in retired and b not in gpu and b not in host]
             )
 
+    def _remove(self, blocks: Collection[int]) -> None:
+        if blocks:
+            self._log(blocks)
+            self._retired.difference_update(blocks)
+
+    def _log(self, blocks: Collection[int]) -> None:
+        """``blocks`` are about to change: each mark held logs whether they were retired then."""
+        if blocks:
+            for mark in self._marks:
+                mark.log(blocks, self._retired)
+
+    def mark(self) -> RetiredMark:
+        """The retired blocks as they are now, answered for as long as the mark is held."""
+        mark = RetiredMark(self)
+        self._marks.add(mark)
+        return mark
+
+    def dead(self, live: Sequence[ScoredBlocks]) -> set[int]:
+        """The retired blocks that no ``live`` group scores (a new set). A retired block a live
+        group scores keeps that score: retiring it would evict first what the ranking says is
+        reused next."""
+        if not self._retired:
+            return set()
+        return self._retired.difference(*[g.block_hashes for g in live])
+
     def group(self, live: Sequence[ScoredBlocks]) -> ScoredBlocks | None:
-        """The retired blocks that no ``live`` group scores, at ``RETIRED_SCORE`` (None: none).
-        A retired block a live group scores keeps that score: retiring it would evict first
-        what the ranking says is reused next."""
-        if not self.retired:
-            return None
-        dead = self.retired.difference(*[g.block_hashes for g in live])
+        """``dead``'s blocks at ``RETIRED_SCORE`` (None: none)."""
+        dead = self.dead(live)
         return ScoredBlocks(RETIRED_SCORE, tuple(dead)) if dead else None
 
     def with_retired(self, scores: dict[int, float]) -> dict[int, float]:
         """``scores`` (changed in place and returned) plus every retired block it does not
         name, at ``RETIRED_SCORE``."""
-        scores.update(dict.fromkeys(self.retired.difference(scores), RETIRED_SCORE))
+        scores.update(dict.fromkeys(self._retired.difference(scores), RETIRED_SCORE))
         return scores

@@ -10,11 +10,13 @@ two workflows' prompts may share blocks: ``disjoint`` says each block once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import NamedTuple, TypeVar
+from collections.abc import Iterator, Mapping, Sequence
+from itertools import chain
+from typing import NamedTuple, TypeVar, overload
 
 from policyd.core.state import EngineState
 from policyd.core.types import ScoredBlocks, score_map
+from policyd.policies.lifecycle import RETIRED_SCORE, Lifecycle, RetiredMark
 
 Key = tuple[str, str]  # (workflow, agent): one agent's private prompt in one workflow
 _K = TypeVar("_K")
@@ -67,19 +69,40 @@ def to_groups(values: Values, state: EngineState) -> list[ScoredBlocks]:
     return groups
 
 
-def disjoint(
-    groups: Sequence[ScoredBlocks],
-) -> tuple[tuple[ScoredBlocks, ...], dict[int, float]]:
-    """``groups`` with each block said once, and every block's score. A block in two groups
-    (prompts sharing blocks across workflows, a retired block still in a live agent's prompt)
-    takes the later group's score, as a tier applying the groups in order would.
+class Ranked(NamedTuple):
+    """A snapshot's order: its live groups (each block once) and every block's score
+    (``scores``: the groups', ``RETIRED_SCORE`` for the retired blocks no group names)."""
 
-    >>> disjoint([ScoredBlocks(1.0, (1, 2)), ScoredBlocks(2.0, (2, 3))])[0]
-    (ScoredBlocks(score=1.0, block_hashes=(1,)), ScoredBlocks(score=2.0, block_hashes=(2, 3)))
+    groups: tuple[ScoredBlocks, ...]
+    scores: ScoreMap
+
+    def published(self, lifecycle: Lifecycle) -> tuple[ScoredBlocks, ...]:
+        """The order as a snapshot says it: the groups, then the retired blocks no group names
+        (``lifecycle.group``, which can hold every block a tier keeps: built only for a
+        snapshot that is published, when it is taken)."""
+        retired = lifecycle.group(self.groups)
+        return self.groups if retired is None else (*self.groups, retired)
+
+
+def disjoint(groups: Sequence[ScoredBlocks], retired: RetiredMark) -> Ranked:
+    """``groups`` with each block said once, and every block's score: a block in two groups
+    (prompts sharing blocks across workflows) takes the later group's score, as a tier applying
+    the groups in order would; a block ``retired`` (a lifecycle's mark, taken now) that no
+    group names ``RETIRED_SCORE``.
+
+    >>> lifecycle = Lifecycle()
+    >>> lifecycle.retired = {9, 2}
+    >>> ranked = disjoint([ScoredBlocks(1.0, (1, 2)), ScoredBlocks(2.0, (2, 3))], lifecycle.mark())
+    >>> ranked.published(lifecycle)
+    (ScoredBlocks(score=1.0, block_hashes=(1,)), ScoredBlocks(score=2.0, block_hashes=(2, 3)), \
+ScoredBlocks(score=-1.0, block_hashes=(9,)))
+    >>> ranked.scores[2], ranked.scores[9], ranked.scores.get(4, 0.0), sorted(ranked.scores)
+    (2.0, -1.0, 0.0, [1, 2, 3, 9])
     """
-    scores = score_map(groups)
-    if len(scores) == sum(len(g.block_hashes) for g in groups):
-        return tuple(groups), scores
+    live = score_map(groups)
+    scores = ScoreMap(live, retired)
+    if len(live) == sum(len(g.block_hashes) for g in groups):
+        return Ranked(tuple(groups), scores)
     claimed: set[int] = set()
     unique: list[ScoredBlocks] = []
     for group in reversed(groups):
@@ -87,4 +110,49 @@ def disjoint(
         claimed.update(blocks)
         if blocks:
             unique.append(ScoredBlocks(group.score, blocks))
-    return tuple(reversed(unique)), scores
+    return Ranked(tuple(reversed(unique)), scores)
+
+
+_D = TypeVar("_D")
+
+
+class ScoreMap(Mapping[int, float]):
+    """A snapshot's scores, looked up: the live groups' (``live``, a ``score_map``), and
+    ``RETIRED_SCORE`` for a block retired at the snapshot (``retired``, a lifecycle's mark)
+    that no group names. The same answers as one dict of every block, for as long as it is
+    held (a tier may keep a view past the next snapshot), without building one over the
+    retired blocks per snapshot: they outnumber the live ones where workflows are short, and
+    building, collecting and freeing that dict was most of a snapshot's cost."""
+
+    __slots__ = ("_live", "_retired")
+
+    def __init__(self, live: dict[int, float], retired: RetiredMark) -> None:
+        self._live = live
+        self._retired = retired
+
+    @overload
+    def get(self, key: int, /) -> float | None: ...
+    @overload
+    def get(self, key: int, default: float | _D, /) -> float | _D: ...
+    def get(self, key: int, default: float | _D | None = None, /) -> float | _D | None:
+        score = self._live.get(key)
+        if score is not None:
+            return score
+        return RETIRED_SCORE if self._retired.retired(key) else default
+
+    def __getitem__(self, key: int) -> float:
+        score = self.get(key)
+        if score is None:
+            raise KeyError(key)
+        return score
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, int) and self.get(key) is not None
+
+    def __iter__(self) -> Iterator[int]:
+        """Every block it scores (a walk over the retired blocks: for tests and tools)."""
+        live = self._live
+        return chain(live, (b for b in self._retired.blocks() if b not in live))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)

@@ -1,0 +1,115 @@
+"""A snapshot's scores answer for the moment it was taken, however long a tier holds them.
+
+``Lifecycle.mark`` stands in for a copy of the retired set per snapshot (``RetiredMark``), and
+``rankings.ScoreMap`` for a dict of every block's score. Driven here by random event streams
+against the plain construction they replace: a frozen copy of the set at each mark, and
+``score_map`` of the live groups and the retired group.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policyd.core.state import EngineState, WorkflowState
+from policyd.core.types import (
+    BlocksRemoved,
+    RequestStarted,
+    ScoredBlocks,
+    WorkflowFinished,
+    score_map,
+)
+from policyd.policies.lifecycle import RETIRED_SCORE, Lifecycle, RetiredMark
+from policyd.policies.rankings import disjoint
+
+BLOCKS = list(range(1, 13))
+WORKFLOWS = ["a", "b", "c"]
+
+blocks = st.lists(st.sampled_from(BLOCKS), max_size=6).map(tuple)
+step = st.one_of(
+    st.tuples(st.just("start"), blocks),
+    st.tuples(st.just("finish"), st.sampled_from(WORKFLOWS)),
+    st.tuples(st.just("evict"), blocks),
+    st.tuples(st.just("replace"), st.frozensets(st.sampled_from(BLOCKS))),
+    st.tuples(st.just("mark"), st.just(None)),
+    st.tuples(st.just("drop"), st.integers(0, 5)),
+)
+
+
+def _state(owners: dict[int, str]) -> EngineState:
+    """Each block owned by one workflow; every block resident on the GPU at first."""
+    state = EngineState()
+    for wid in WORKFLOWS:
+        blocks_of = {b for b, w in owners.items() if w == wid}
+        state.workflows[wid] = WorkflowState(wid, "t", 0.0, 0.0, blocks=blocks_of)
+    state.owners = {b: frozenset({w}) for b, w in owners.items()}
+    state.resident["gpu"] = set(BLOCKS)
+    return state
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    owners=st.fixed_dictionaries({b: st.sampled_from(WORKFLOWS) for b in BLOCKS}),
+    steps=st.lists(step, max_size=40),
+    live=blocks,
+)
+def test_marks_answer_for_their_moment(
+    owners: dict[int, str], steps: list[tuple[str, object]], live: tuple[int, ...]
+) -> None:
+    state = _state(owners)
+    lifecycle = Lifecycle()
+    held: list[tuple[RetiredMark, frozenset[int]]] = []  # each mark, with the set it stands for
+    for i, (kind, arg) in enumerate(steps):
+        if kind == "start":
+            assert isinstance(arg, tuple)
+            event = RequestStarted(
+                ts=0.0, request_id=f"r{i}", workflow_id="x", agent="p", block_hashes=arg
+            )
+            lifecycle.observe(event, state)
+        elif kind == "finish":
+            assert isinstance(arg, str)
+            state.workflows[arg].done = True
+            lifecycle.observe(WorkflowFinished(ts=0.0, workflow_id=arg), state)
+        elif kind == "evict":
+            assert isinstance(arg, tuple)
+            state.resident["gpu"].difference_update(arg)
+            lifecycle.observe(BlocksRemoved(ts=0.0, tier="gpu", block_hashes=arg), state)
+        elif kind == "replace":
+            assert isinstance(arg, frozenset)
+            lifecycle.retired = set(arg)
+        elif kind == "mark":
+            held.append((lifecycle.mark(), frozenset(lifecycle.retired)))
+        elif held:  # a tier lets go of a view: its mark is no longer logged
+            assert isinstance(arg, int)
+            held.pop(arg % len(held))
+        for mark, then in held:
+            assert {b for b in BLOCKS if mark.retired(b)} == then
+            assert set(mark.blocks()) == then
+
+    groups = [ScoredBlocks(2.0, live[:3]), ScoredBlocks(1.0, live[2:])]
+    ranked = disjoint(groups, lifecycle.mark())
+    expected = score_map([*groups, ScoredBlocks(RETIRED_SCORE, tuple(lifecycle.dead(groups)))])
+    assert dict(ranked.scores) == expected
+    assert {b: ranked.scores.get(b, 0.0) for b in BLOCKS} == {
+        b: expected.get(b, 0.0) for b in BLOCKS
+    }
+    published = ranked.published(lifecycle)
+    assert score_map(published) == expected
+    assert sum(len(g.block_hashes) for g in published) == len(expected)  # each block once
+
+
+def test_a_score_map_outlives_the_next_snapshot() -> None:
+    """A tier may keep a view while later snapshots arrive: its scores do not move."""
+    state = _state(dict.fromkeys(BLOCKS, "a"))
+    lifecycle = Lifecycle()
+    state.workflows["a"].done = True
+    lifecycle.observe(WorkflowFinished(ts=0.0, workflow_id="a"), state)
+    first = disjoint([ScoredBlocks(1.0, (1,))], lifecycle.mark()).scores
+    start = RequestStarted(ts=0.0, request_id="r", workflow_id="b", agent="p", block_hashes=(2,))
+    lifecycle.observe(start, state)
+    second = disjoint([], lifecycle.mark()).scores
+    assert first[2] == RETIRED_SCORE and 2 not in second
+    assert first[1] == 1.0 and second[1] == RETIRED_SCORE
+    with pytest.raises(KeyError):
+        _ = second[2]
