@@ -25,41 +25,34 @@ RETIRED_SCORE = -1.0
 
 class RetiredMark:
     """Which blocks were retired at one moment (``Lifecycle.mark``), answered for as long as it
-    is held: ``retired(block)``. The lifecycle logs, for every mark still held, the blocks whose
-    retirement changed since, with what it was then."""
+    is held: ``retired(block)``.
 
-    __slots__ = ("__weakref__", "_base", "_lifecycle", "_was")
+    ``then`` is the lifecycle's set at the mark: changed in place since, the lifecycle logs in
+    ``was`` (for every mark still held) the blocks whose retirement changed, with what it was
+    at the mark; replaced whole since, the set the mark holds is changed no more. Either way a
+    block logged answers from ``was``, any other from ``then``."""
 
-    def __init__(self, lifecycle: Lifecycle) -> None:
-        self._lifecycle = lifecycle
-        self._was: dict[int, bool] = {}  # block changed since -> retired at the mark
-        self._base: set[int] | None = None  # the set at the mark, once replaced whole since
+    __slots__ = ("__weakref__", "then", "was")
 
-    def freeze(self, retired: set[int]) -> None:
-        """The lifecycle replaced its set ``retired`` whole: it is this mark's from now on (the
-        lifecycle changes it no more), unless an earlier replacement gave the mark its own."""
-        if self._base is None:
-            self._base = retired
+    def __init__(self, then: set[int]) -> None:
+        self.then = then
+        self.was: dict[int, bool] = {}  # block changed since -> retired at the mark
 
-    def log(self, blocks: Collection[int], retired: set[int]) -> None:
-        """``blocks`` are about to change in the lifecycle's set ``retired``: remember, for
-        those not logged yet, whether they were retired at the mark."""
-        was = self._was
-        then = retired if self._base is None else self._base
-        for block in blocks:
-            if block not in was:
-                was[block] = block in then
+    def log(self, blocks: Collection[int]) -> None:
+        """``blocks`` are about to change in the lifecycle's set: remember, for those not logged
+        yet, whether they were retired at the mark."""
+        was = self.was
+        new = set(blocks)
+        new.difference_update(was)
+        was.update(zip(new, map(self.then.__contains__, new), strict=True))
 
     def retired(self, block: int) -> bool:
-        was = self._was.get(block)
-        if was is not None:
-            return was
-        return block in (self._lifecycle.retired if self._base is None else self._base)
+        was = self.was.get(block)
+        return block in self.then if was is None else was
 
     def blocks(self) -> Iterator[int]:
         """Every block retired at the mark (a walk over the retired set)."""
-        now = self._lifecycle.retired if self._base is None else self._base
-        return (b for b in now | self._was.keys() if self.retired(b))
+        return (b for b in self.then | self.was.keys() if self.retired(b))
 
 
 class Lifecycle:
@@ -85,9 +78,7 @@ class Lifecycle:
 
     @retired.setter
     def retired(self, blocks: set[int]) -> None:
-        for mark in self._marks:
-            mark.freeze(self._retired)
-        self._retired = blocks
+        self._retired = blocks  # the marks keep the set they were taken on, changed no more
 
     def observe(self, event: Event, state: EngineState) -> None:
         kind = type(event)
@@ -121,12 +112,14 @@ class Lifecycle:
     def _log(self, blocks: Collection[int]) -> None:
         """``blocks`` are about to change: each mark held logs whether they were retired then."""
         if blocks:
+            retired = self._retired
             for mark in self._marks:
-                mark.log(blocks, self._retired)
+                if mark.then is retired:  # (a mark of a set replaced since needs no log)
+                    mark.log(blocks)
 
     def mark(self) -> RetiredMark:
         """The retired blocks as they are now, answered for as long as the mark is held."""
-        mark = RetiredMark(self)
+        mark = RetiredMark(self._retired)
         self._marks.add(mark)
         return mark
 

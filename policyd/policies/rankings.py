@@ -124,21 +124,25 @@ class ScoreMap(Mapping[int, float]):
     retired blocks per snapshot: they outnumber the live ones where workflows are short, and
     building, collecting and freeing that dict was most of a snapshot's cost."""
 
-    __slots__ = ("_live", "_retired")
+    __slots__ = ("_mark", "_then", "_was", "live")
 
     def __init__(self, live: dict[int, float], retired: RetiredMark) -> None:
-        self._live = live
-        self._retired = retired
+        self.live: Mapping[int, float] = live  # the live groups' scores (above RETIRED_SCORE)
+        self._mark = retired
+        self._was, self._then = retired.was, retired.then  # ``RetiredMark.retired``, inlined
 
     @overload
     def get(self, key: int, /) -> float | None: ...
     @overload
     def get(self, key: int, default: float | _D, /) -> float | _D: ...
     def get(self, key: int, default: float | _D | None = None, /) -> float | _D | None:
-        score = self._live.get(key)
+        score = self.live.get(key)
         if score is not None:
             return score
-        return RETIRED_SCORE if self._retired.retired(key) else default
+        was = self._was.get(key)
+        if key in self._then if was is None else was:
+            return RETIRED_SCORE
+        return default
 
     def __getitem__(self, key: int) -> float:
         score = self.get(key)
@@ -151,8 +155,8 @@ class ScoreMap(Mapping[int, float]):
 
     def __iter__(self) -> Iterator[int]:
         """Every block it scores (a walk over the retired blocks: for tests and tools)."""
-        live = self._live
-        return chain(live, (b for b in self._retired.blocks() if b not in live))
+        live = self.live
+        return chain(live, (b for b in self._mark.blocks() if b not in live))
 
     def __len__(self) -> int:
         return sum(1 for _ in self)

@@ -46,6 +46,8 @@ from typing import Final
 import numpy as np
 
 from policyd.core.types import PolicySnapshot
+from policyd.policies.lifecycle import RETIRED_SCORE
+from policyd.policies.rankings import ScoreMap
 from policyd.tiers.budget import ADOPT_COST_OPS, StepBudget
 from policyd.tiers.gpu import (
     DEFAULT_MAX_RANKED_BLOCKS,
@@ -209,8 +211,15 @@ class ShadowTiers:
         """``snapshot`` as the connector indexes it, its ranking (``top``) over the blocks
         cached in the shadow GPU, highest first, at most the connector's list scaled."""
         floor = snapshot.default_score
-        ranked = [(s, b) for b in self.gpu.free_queue if (s := scores.get(b, floor)) > floor]
-        ranked += [(s, b) for b in self.gpu.refs if (s := scores.get(b, floor)) > floor]
+        # the ranking lists blocks scored above the floor: retired ones never are. It is
+        # sorted whole, so it is gathered from the smaller side: the scores or the shadow GPU
+        above = scores.live if isinstance(scores, ScoreMap) and floor >= RETIRED_SCORE else scores
+        free, held = self.gpu.free_queue, self.gpu.refs
+        if len(above) < len(free) + len(held):
+            ranked = [(s, b) for b, s in above.items() if s > floor and (b in free or b in held)]
+        else:
+            ranked = [(s, b) for b in free if (s := above.get(b, floor)) > floor]
+            ranked += [(s, b) for b in held if (s := above.get(b, floor)) > floor]
         ranked.sort(reverse=True)
         limit = max(1, round(DEFAULT_TOP_BLOCKS * self.rate))
         return SnapshotView(
