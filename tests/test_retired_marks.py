@@ -8,6 +8,8 @@ against the plain construction they replace: a frozen copy of the set at each ma
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,6 +22,7 @@ from policyd.core.types import (
     WorkflowFinished,
     score_map,
 )
+from policyd.policies import lifecycle as lifecycle_module
 from policyd.policies.lifecycle import RETIRED_SCORE, Lifecycle, RetiredMark
 from policyd.policies.rankings import disjoint
 
@@ -48,15 +51,32 @@ def _state(owners: dict[int, str]) -> EngineState:
     return state
 
 
+scenario = {
+    "owners": st.fixed_dictionaries({b: st.sampled_from(WORKFLOWS) for b in BLOCKS}),
+    "steps": st.lists(step, max_size=40),
+    "live": blocks,
+}
+
+
 @settings(max_examples=150, deadline=None)
-@given(
-    owners=st.fixed_dictionaries({b: st.sampled_from(WORKFLOWS) for b in BLOCKS}),
-    steps=st.lists(step, max_size=40),
-    live=blocks,
-)
+@given(**scenario)
 def test_marks_answer_for_their_moment(
     owners: dict[int, str], steps: list[tuple[str, object]], live: tuple[int, ...]
 ) -> None:
+    _check(owners, steps, live)
+
+
+@settings(max_examples=150, deadline=None)
+@given(**scenario)
+def test_marks_detached_answer_the_same(
+    owners: dict[int, str], steps: list[tuple[str, object]], live: tuple[int, ...]
+) -> None:
+    """Marks held long detach from the log (here after two changed blocks): the same answers."""
+    with patch.object(lifecycle_module, "DETACH_AFTER", 2):
+        _check(owners, steps, live)
+
+
+def _check(owners: dict[int, str], steps: list[tuple[str, object]], live: tuple[int, ...]) -> None:
     state = _state(owners)
     lifecycle = Lifecycle()
     held: list[tuple[RetiredMark, frozenset[int]]] = []  # each mark, with the set it stands for

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Collection, Iterator, Sequence
+from itertools import filterfalse
 
 from policyd.core.state import EngineState
 from policyd.core.types import (
@@ -21,6 +22,7 @@ from policyd.core.types import (
 )
 
 RETIRED_SCORE = -1.0
+DETACH_AFTER = 4096  # a mark's log may grow to the retired set's size, or to this, then detaches
 
 
 class RetiredMark:
@@ -30,7 +32,9 @@ class RetiredMark:
     ``then`` is the lifecycle's set at the mark: changed in place since, the lifecycle logs in
     ``was`` (for every mark still held) the blocks whose retirement changed, with what it was
     at the mark; replaced whole since, the set the mark holds is changed no more. Either way a
-    block logged answers from ``was``, any other from ``then``."""
+    block logged answers from ``was``, any other from ``then``. A mark held long (a tier that
+    keeps an old view) is detached once its log outgrows the set: ``then`` becomes a copy of
+    what it stands for and the log stops, so its memory stays within about twice the set's."""
 
     __slots__ = ("__weakref__", "then", "was")
 
@@ -42,9 +46,12 @@ class RetiredMark:
         """``blocks`` are about to change in the lifecycle's set: remember, for those not logged
         yet, whether they were retired at the mark."""
         was = self.was
-        new = set(blocks)
-        new.difference_update(was)
+        new = [*filterfalse(was.__contains__, blocks)]  # (in C, and in the blocks' number)
         was.update(zip(new, map(self.then.__contains__, new), strict=True))
+
+    def detach(self) -> None:
+        """Hold a copy of the set the mark stands for, and need no log from now on."""
+        self.then, self.was = set(self.blocks()), {}
 
     def retired(self, block: int) -> bool:
         was = self.was.get(block)
@@ -116,6 +123,8 @@ class Lifecycle:
             for mark in self._marks:
                 if mark.then is retired:  # (a mark of a set replaced since needs no log)
                     mark.log(blocks)
+                    if len(mark.was) > max(DETACH_AFTER, len(retired)):
+                        mark.detach()
 
     def mark(self) -> RetiredMark:
         """The retired blocks as they are now, answered for as long as the mark is held."""

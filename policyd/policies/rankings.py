@@ -124,12 +124,11 @@ class ScoreMap(Mapping[int, float]):
     retired blocks per snapshot: they outnumber the live ones where workflows are short, and
     building, collecting and freeing that dict was most of a snapshot's cost."""
 
-    __slots__ = ("_mark", "_then", "_was", "live")
+    __slots__ = ("_mark", "live")
 
     def __init__(self, live: dict[int, float], retired: RetiredMark) -> None:
         self.live: Mapping[int, float] = live  # the live groups' scores (above RETIRED_SCORE)
         self._mark = retired
-        self._was, self._then = retired.was, retired.then  # ``RetiredMark.retired``, inlined
 
     @overload
     def get(self, key: int, /) -> float | None: ...
@@ -139,8 +138,9 @@ class ScoreMap(Mapping[int, float]):
         score = self.live.get(key)
         if score is not None:
             return score
-        was = self._was.get(key)
-        if key in self._then if was is None else was:
+        mark = self._mark  # ``RetiredMark.retired``, inlined
+        was = mark.was.get(key)
+        if key in mark.then if was is None else was:
             return RETIRED_SCORE
         return default
 
