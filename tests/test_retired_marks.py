@@ -109,7 +109,8 @@ def _check(owners: dict[int, str], steps: list[tuple[str, object]], live: tuple[
 
     groups = [ScoredBlocks(2.0, live[:3]), ScoredBlocks(1.0, live[2:])]
     ranked = disjoint(groups, lifecycle.mark())
-    expected = score_map([*groups, ScoredBlocks(RETIRED_SCORE, tuple(lifecycle.dead(groups)))])
+    retired = lifecycle.group(groups)
+    expected = score_map(groups if retired is None else [*groups, retired])
     assert dict(ranked.scores) == expected
     assert {b: ranked.scores.get(b, 0.0) for b in BLOCKS} == {
         b: expected.get(b, 0.0) for b in BLOCKS

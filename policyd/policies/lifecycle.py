@@ -112,9 +112,8 @@ class Lifecycle:
             )
 
     def _remove(self, blocks: Collection[int]) -> None:
-        if blocks:
-            self._log(blocks)
-            self._retired.difference_update(blocks)
+        self._log(blocks)
+        self._retired.difference_update(blocks)
 
     def _log(self, blocks: Collection[int]) -> None:
         """``blocks`` are about to change: each mark held logs whether they were retired then."""
@@ -132,17 +131,13 @@ class Lifecycle:
         self._marks.add(mark)
         return mark
 
-    def dead(self, live: Sequence[ScoredBlocks]) -> set[int]:
-        """The retired blocks that no ``live`` group scores (a new set). A retired block a live
-        group scores keeps that score: retiring it would evict first what the ranking says is
-        reused next."""
-        if not self._retired:
-            return set()
-        return self._retired.difference(*[g.block_hashes for g in live])
-
     def group(self, live: Sequence[ScoredBlocks]) -> ScoredBlocks | None:
-        """``dead``'s blocks at ``RETIRED_SCORE`` (None: none)."""
-        dead = self.dead(live)
+        """The retired blocks that no ``live`` group scores, at ``RETIRED_SCORE`` (None: none).
+        A retired block a live group scores keeps that score: retiring it would evict first
+        what the ranking says is reused next."""
+        if not self._retired:
+            return None
+        dead = self._retired.difference(*[g.block_hashes for g in live])
         return ScoredBlocks(RETIRED_SCORE, tuple(dead)) if dead else None
 
     def with_retired(self, scores: dict[int, float]) -> dict[int, float]:

@@ -159,4 +159,5 @@ class ScoreMap(Mapping[int, float]):
         return chain(live, (b for b in self._mark.blocks() if b not in live))
 
     def __len__(self) -> int:
+        """A walk, as ``__iter__``: the hot paths only look scores up."""
         return sum(1 for _ in self)
