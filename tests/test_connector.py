@@ -364,6 +364,27 @@ def test_snapshot_order_retired_first_then_score_then_recency() -> None:
     assert order.peek_order() == [0, 1, 2, 5]  # stale snapshot: plain LRU again
 
 
+def test_a_view_without_a_host_order_is_lru_at_once_before_any_rekeying() -> None:
+    """The guard publishes vLLM's default (or a write filter alone) after a learned order, or
+    the snapshot goes stale: the tier is LRU from that moment, not once the walk has re-keyed
+    the keys that still carry the learned scores."""
+    for plain in (SnapshotView.of(snap()), None):
+        order: HostOrder[int] = HostOrder(lambda k: k)
+        for key in range(6):
+            order.insert(key, evictable=True)
+        learned = SnapshotView.of(snap(scores=(ScoredBlocks(5.0, (0, 1, 2)),)))
+        order.set_view(learned, retired=frozenset({4}))
+        order.rekey_all()
+        assert order.peek_order() == [4, 3, 5, 0, 1, 2]
+        order.insert(6, evictable=True)  # written under the learned view, unnamed: score 0
+        order.set_view(plain)
+        assert order.rekeying  # the walk has not started: every key keeps its learned priority
+        assert order.peek_order() == [0, 1, 2, 3, 4, 5, 6]
+        assert order.evict(3, protected={1}) == [0, 2, 3]
+        order.rekey_all()
+        assert order.evict(4) == [1, 4, 5, 6]
+
+
 def test_a_snapshot_with_its_own_host_order_orders_the_host_tier_by_it() -> None:
     order: HostOrder[int] = HostOrder(lambda k: k)
     for key in range(4):
@@ -407,7 +428,12 @@ def test_a_budgeted_rekey_walk_keeps_evictions_in_priority_order(seed: int) -> N
             named = rng.sample(range(60), 12)
             groups = tuple(ScoredBlocks(rng.uniform(-2, 2), (b,)) for b in named)
             view = SnapshotView.of(snap(scores=groups, stage=(rng.randrange(60),)))
-            order.set_view(view if rng.random() < 0.85 else None, set(rng.sample(range(60), 5)))
+            pick = rng.random()
+            plain = SnapshotView.of(snap())  # vLLM's default: no host order
+            order.set_view(
+                view if pick < 0.7 else plain if pick < 0.85 else None,
+                set(rng.sample(range(60), 5)) if pick < 0.7 else frozenset(),
+            )
         elif op < 0.85:
             order.rekey(rng.randint(1, 3))
         else:
@@ -437,7 +463,8 @@ def test_a_compacted_heap_goes_to_release_and_the_order_is_unchanged() -> None:
     assert order.rekeying  # 350 entries for 50 keys: a compaction is due
     used = order.rekey(None)
     assert used == 25  # two keys a unit, nothing for the freeing
-    assert released == [350] and order.peek_order() == before and not order.rekeying
+    # both heaps (by priority and by rank) were replaced and handed over
+    assert released == [350, 350] and order.peek_order() == before and not order.rekeying
 
 
 def test_evict_is_atomic() -> None:

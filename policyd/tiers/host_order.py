@@ -1,22 +1,26 @@
 """The host tier's eviction order: retired first, then by score, then least recently used.
 
-The order vLLM's ``CachePolicy`` delegates to (connector/vllm_adapter.py). With no snapshot every
-key has the same class and score, so the order *is* LRU, identical to vLLM's ``LRUCachePolicy``:
-a request's keys are ranked tail first, so its head (the shared prefix) stays longest. With a
-snapshot the priority of a key is ``(retired ? 0 : staged ? 2 : 1, score, recency rank)``, the
-score from the snapshot's host order (``host_scores``) when it gives one, else its ``scores``.
+The order vLLM's ``CachePolicy`` delegates to (connector/vllm_adapter.py). With a snapshot that
+orders the host tier the priority of a key is ``(retired ? 0 : staged ? 2 : 1, score, recency
+rank)``, the score from the snapshot's host order (``host_scores``) when it gives one, else its
+``scores``. With no snapshot, or one that gives the host tier no order (no scores, nothing
+retired or staged: vLLM's default, or a write filter alone), the order *is* LRU, identical to
+vLLM's ``LRUCachePolicy`` (a request's keys are ranked tail first, so its head, the shared
+prefix, stays longest) - from the moment the view is set: evictions then take a second heap
+kept by recency rank alone, so no key keeps a score from an earlier snapshot while the walk
+below has not reached it.
 
-Evictable keys sit in a lazy min-heap keyed by that priority; every call is O(log n) but one:
-a new snapshot changes every key's priority, and re-keying every key at once takes time in
-proportion to the tier, more than a scheduler step can afford on a large one. So ``set_view`` is
-O(1) and the re-keying is a *walk* over the evictable keys, ``REKEY_CHUNK`` keys per unit of
-work, performed by ``rekey(units)`` within the connector's per-step budget (the simulator calls
-it at the same points). A key the walk has not reached keeps its previous priority; one inserted
-or touched meanwhile gets the new one. Stale heap entries (a key re-keyed or touched leaves its
-old one behind) are dropped by a compaction pass of the same kind, which builds a fresh heap
-beside the live one and swaps it in; the old heap goes to ``release`` (the connector frees it
-off vLLM's thread). ``evict`` is atomic: ``None`` and no change when it cannot take exactly
-``n`` unprotected keys.
+Evictable keys sit in a lazy min-heap keyed by that priority (and in the rank heap); every
+call is O(log n) but one: a new snapshot changes every key's priority, and re-keying every key
+at once takes time in proportion to the tier, more than a scheduler step can afford on a large
+one. So ``set_view`` is O(1) and the re-keying is a *walk* over the evictable keys,
+``REKEY_CHUNK`` keys per unit of work, performed by ``rekey(units)`` within the connector's
+per-step budget (the simulator calls it at the same points). A key the walk has not reached
+keeps its previous priority; one inserted or touched meanwhile gets the new one. Stale heap
+entries (a key re-keyed or touched leaves its old one behind) are dropped by a compaction pass
+of the same kind, which builds fresh heaps beside the live ones and swaps them in; the old heaps
+go to ``release`` (the connector frees them off vLLM's thread). ``evict`` is atomic: ``None``
+and no change when it cannot take exactly ``n`` unprotected keys.
 """
 
 from __future__ import annotations
@@ -44,9 +48,11 @@ class HostOrder(Generic[K]):
         self._rank: dict[K, int] = {}
         self._prio: dict[K, Priority] = {}  # the evictable keys, at their current priority
         self._heap: list[tuple[Priority, K]] = []
+        self._by_rank: list[tuple[int, K]] = []  # the evictable keys by recency rank alone
         self._next_rank = 0
         self._view: SnapshotView | None = None
         self._retired: AbstractSet[int] = frozenset()
+        self._plain = True  # the view gives the host tier no order: evict by rank alone
         # the evictable keys at stable positions, the walk's order (a freed slot is reused)
         self._slots: list[K | None] = []
         self._slot_of: dict[K, int] = {}
@@ -55,12 +61,16 @@ class HostOrder(Generic[K]):
         # whether another walk is owed (a view arrived during one)
         self._walking = False
         self._next_heap: list[tuple[Priority, K]] | None = None
+        self._next_by_rank: list[tuple[int, K]] = []
         self._cursor = 0
         self._owed = False
         # what becomes of a heap a compaction replaced: freeing it is O(n), the costliest thing
         # here, so the connector hands it to a thread of its own
         # (``ConnectorRuntime.release``); by default it is dropped at once
-        self.release: Callable[[list[tuple[Priority, K]]], None] = _drop
+        self.release: Callable[[list[Any]], None] = _drop
+        # told of each eviction, the keys taken at the priorities they were taken by
+        # (diagnostics: ``policyd host-losses``); by default nothing
+        self.evicted: Callable[[list[tuple[Priority, K]]], None] = _drop
 
     def __len__(self) -> int:
         return len(self._rank)
@@ -79,12 +89,10 @@ class HostOrder(Generic[K]):
     @property
     def rekeying(self) -> bool:
         """Work is pending: a walk under way or owed, or a compaction under way or due."""
-        return (
-            self._owed
-            or self._walking
-            or self._next_heap is not None
-            or len(self._heap) > STALE_FACTOR * len(self._prio) + 64
-        )
+        return self._owed or self._walking or self._next_heap is not None or self._compaction_due()
+
+    def _compaction_due(self) -> bool:
+        return max(len(self._heap), len(self._by_rank)) > STALE_FACTOR * len(self._prio) + 64
 
     # -- the snapshot -----------------------------------------------------------------------
 
@@ -93,6 +101,7 @@ class HostOrder(Generic[K]):
         a walk under way finishes under the new view and one more follows."""
         self._view = view
         self._retired = retired if view is not None else frozenset()
+        self._plain = view is None or not (view.host_scores or view.stage or self._retired)
         self._owed = True
 
     def rekey(self, units: int | None = None) -> int:
@@ -106,8 +115,8 @@ class HostOrder(Generic[K]):
             elif self._owed:
                 self._owed, self._walking, self._cursor = False, True, 0
                 continue  # starting costs nothing
-            elif len(self._heap) > STALE_FACTOR * len(self._prio) + 64:
-                self._next_heap, self._cursor = [], 0
+            elif self._compaction_due():
+                self._next_heap, self._next_by_rank, self._cursor = [], [], 0
                 continue
             else:
                 break
@@ -137,18 +146,21 @@ class HostOrder(Generic[K]):
     def _compact_chunk(self) -> None:
         """Copy the next ``REKEY_CHUNK`` slots' current entries into the fresh heap; at the end
         it replaces the live one, which goes to ``release``."""
-        nxt = self._next_heap
+        nxt, nxt_by_rank = self._next_heap, self._next_by_rank
         assert nxt is not None
-        slots, prio = self._slots, self._prio
+        slots, prio, rank = self._slots, self._prio, self._rank
         end = min(self._cursor + REKEY_CHUNK, len(slots))
         for i in range(self._cursor, end):
             key = slots[i]
             if key is not None:
                 heapq.heappush(nxt, (prio[key], key))
+                heapq.heappush(nxt_by_rank, (rank[key], key))
         self._cursor = end
         if end >= len(slots):
             old, self._heap, self._next_heap = self._heap, nxt, None
+            old_by_rank, self._by_rank, self._next_by_rank = self._by_rank, nxt_by_rank, []
             self.release(old)
+            self.release(old_by_rank)
 
     def _priority(self, key: K) -> Priority:
         view = self._view
@@ -164,14 +176,21 @@ class HostOrder(Generic[K]):
         return (cls, view.host_score(block), self._rank[key])
 
     def _push(self, key: K) -> None:
+        """``key`` became evictable or took a new rank: an entry in both heaps."""
         self._prio[key] = p = self._priority(key)
+        r = (self._rank[key], key)
         heapq.heappush(self._heap, (p, key))
+        heapq.heappush(self._by_rank, r)
         nxt = self._next_heap
         if nxt is not None and self._slot_of[key] < self._cursor:  # compaction has passed it
             heapq.heappush(nxt, (p, key))
-        elif len(self._heap) > 16 * len(self._prio) + 1024:  # nobody runs ``rekey``: at once
+            heapq.heappush(self._next_by_rank, r)
+        elif len(self._heap) + len(self._by_rank) > 32 * len(self._prio) + 2048:
+            # nobody runs ``rekey``: compact at once
             self._heap = [(q, k) for k, q in self._prio.items()]
             heapq.heapify(self._heap)
+            self._by_rank = [(self._rank[k], k) for k in self._prio]
+            heapq.heapify(self._by_rank)
 
     # -- membership -------------------------------------------------------------------------
 
@@ -208,6 +227,8 @@ class HostOrder(Generic[K]):
         self._rank.clear()
         self._prio.clear()
         self._heap = []
+        self._by_rank = []
+        self._next_by_rank = []
         self._slots.clear()
         self._slot_of.clear()
         self._free_slots.clear()
@@ -237,35 +258,70 @@ class HostOrder(Generic[K]):
         prio, key = entry
         return self._prio.get(key) == prio
 
+    def _current_rank(self, entry: tuple[int, K]) -> bool:
+        rank, key = entry
+        return key in self._prio and self._rank[key] == rank
+
     def evict(self, n: int, protected: set[K] | frozenset[K] = frozenset()) -> list[K] | None:
-        """Take exactly ``n`` evictable, unprotected keys in priority order, or None (no change)."""
+        """Take exactly ``n`` evictable, unprotected keys in priority order (in rank order while
+        the view gives the host tier no order), or None (no change)."""
         if n <= 0:
             return []
-        chosen: list[tuple[Priority, K]] = []
-        chosen_keys: set[K] = set()
-        deferred: list[tuple[Priority, K]] = []
-        while self._heap and len(chosen) < n:
-            entry = heapq.heappop(self._heap)
-            if not self._current(entry) or entry[1] in chosen_keys:
-                continue
-            if entry[1] in protected:
-                deferred.append(entry)
-                continue
-            chosen.append(entry)
-            chosen_keys.add(entry[1])
-        for entry in deferred:
-            heapq.heappush(self._heap, entry)
-        if len(chosen) < n:
-            for entry in chosen:
-                heapq.heappush(self._heap, entry)
+        if self._plain:
+            taken = _take(self._by_rank, self._current_rank, n, protected)
+            chosen = [(self._prio[key], key) for _, key in taken] if taken is not None else None
+        else:
+            chosen = _take(self._heap, self._current, n, protected)
+        if chosen is None:
             return None
         for _, key in chosen:
             self.remove(key)
+        self.evicted(chosen)
         return [key for _, key in chosen]
+
+    @property
+    def view(self) -> SnapshotView | None:
+        """The snapshot the order follows (None: plain LRU)."""
+        return self._view
+
+    def priority(self, key: K) -> Priority | None:
+        """An evictable key's priority as the heap holds it now (None: not evictable)."""
+        return self._prio.get(key)
 
     def peek_order(self) -> list[K]:
         """Every evictable key, first victim first (tests and debugging; O(n log n))."""
+        if self._plain:
+            return sorted(self._prio, key=self._rank.__getitem__)
         return [k for _, k in sorted((p, k) for k, p in self._prio.items())]
+
+
+E = TypeVar("E", bound=tuple[Any, Any])
+
+
+def _take(
+    heap: list[E], current: Callable[[E], bool], n: int, protected: AbstractSet[Any]
+) -> list[E] | None:
+    """Pop the ``n`` first current entries whose key is not ``protected`` from ``heap``; when
+    there are fewer, put back what was popped and return None."""
+    chosen: list[E] = []
+    chosen_keys: set[Any] = set()
+    deferred: list[E] = []
+    while heap and len(chosen) < n:
+        entry = heapq.heappop(heap)
+        if not current(entry) or entry[1] in chosen_keys:
+            continue
+        if entry[1] in protected:
+            deferred.append(entry)
+            continue
+        chosen.append(entry)
+        chosen_keys.add(entry[1])
+    for entry in deferred:
+        heapq.heappush(heap, entry)
+    if len(chosen) < n:
+        for entry in chosen:
+            heapq.heappush(heap, entry)
+        return None
+    return chosen
 
 
 def _drop(entries: list[Any]) -> None:
