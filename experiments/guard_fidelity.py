@@ -74,12 +74,7 @@ def trace_points(traces: Path) -> list[FidelityPoint]:
 def published_throughout(arm: str, shadow_blocks: int) -> AgentKV:
     """agentkv whose guard publishes ``arm`` whatever its windows say, its shadows following
     every block of tiers of ``shadow_blocks`` in all (sample rate 1)."""
-    policy = AgentKV()
-    assert policy.guard is not None
-    policy.guard.published = arm
-    policy.guard.confidence = 1e18  # no evidence clears this margin: never switches
-    policy.guard.max_shadow_blocks = shadow_blocks
-    return policy
+    return AgentKV(guard_arm=arm, guard_shadow_blocks=shadow_blocks)
 
 
 def measure(point: FidelityPoint, streams: int, seed: int) -> Fidelity:

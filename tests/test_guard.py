@@ -181,8 +181,8 @@ def run(
             guard.observe(RequestFinished(ts=0.0, request_id=event.request_id, output_tokens=0))
 
 
-def small_guard(arms: tuple[str, ...] = ("learned",)) -> RecencyGuard:
-    guard = RecencyGuard(arms=arms, window=5, min_window_requests=1)
+def small_guard(arms: tuple[str, ...] = ("learned",), pinned: str | None = None) -> RecencyGuard:
+    guard = RecencyGuard(arms=arms, window=5, min_window_requests=1, pinned=pinned)
     guard.configure(gpu_blocks=1, host_blocks=10)  # the host tier holds A and one scan, not two
     return guard
 
@@ -250,6 +250,16 @@ def test_the_arm_that_wins_is_published_and_a_losing_one_never() -> None:
     assert guard.state()["mode"] == "filter"
     run(guard, KEEP_A, rounds=12)  # now the learned arm keeps A too, and hits what filter hits
     assert guard.published == "filter"  # a tie with the published arm switches nothing
+
+
+def test_a_pinned_guard_publishes_its_arm_whatever_the_windows_say() -> None:
+    guard = small_guard(pinned="recency")
+    run(guard, KEEP_A, rounds=6)  # the learned shadow wins, as in the test above
+    c = guard.counters
+    assert c.learned_shadow_hits >= 4 * len(A) and c.default_shadow_hits == 0
+    assert guard.published == "recency" and c.switches_to_learned == 0
+    with pytest.raises(ValueError, match="pinned"):
+        RecencyGuard(arms=("learned",), pinned="filter")
 
 
 def test_the_arms_of_a_guard_are_checked() -> None:

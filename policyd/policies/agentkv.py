@@ -42,7 +42,7 @@ from policyd.models.predictor import MIN_BRANCH, Predictor
 from policyd.policies.admission import HostAdmission
 from policyd.policies.efficientagent import WorkingSet
 from policyd.policies.gpu_ranking import GpuRanking
-from policyd.policies.guard import FILTER, LEARNED, RECENCY, RecencyGuard
+from policyd.policies.guard import FILTER, LEARNED, MAX_SHADOW_BLOCKS, RECENCY, RecencyGuard
 from policyd.policies.host_order import HostOrder
 from policyd.policies.lifecycle import Lifecycle
 from policyd.policies.lookahead import (
@@ -67,7 +67,9 @@ class AgentKV(PredictorSurface, ScoredPolicy):
     takes them (``kappa_chunks``, ``chunk_tokens``, ``theta``, ``window_s``, ``coverage``,
     ``shards_rate``); the tiers' sizes; ``guard`` (False: the learned decisions always);
     ``guard_filter`` (False: the guard chooses between vLLM's default and the learned
-    decisions only).
+    decisions only); ``guard_shadow_blocks``: the most blocks each guard shadow follows (its
+    sample rate is this over the tiers' blocks); ``guard_arm``: publish this arm throughout
+    (``recency``, ``filter`` or ``learned``; empty: the guard chooses).
 
     Public surface: ``predictor``, ``retired`` and ``calls_seen`` (assignable), ``degraded``,
     ``ranking`` (the GPU's, by name), ``referee``, ``decisions``, ``guard``, ``working_set``,
@@ -102,6 +104,8 @@ class AgentKV(PredictorSurface, ScoredPolicy):
         gpu_blocks: int = 0,
         guard: bool = True,
         guard_filter: bool = True,
+        guard_shadow_blocks: int = MAX_SHADOW_BLOCKS,
+        guard_arm: str = "",
     ) -> None:
         self.lookahead = Lookahead(
             k=k,
@@ -133,7 +137,11 @@ class AgentKV(PredictorSurface, ScoredPolicy):
             theta=theta,
         )
         arms = (FILTER, LEARNED) if guard_filter else (LEARNED,)
-        self.guard = RecencyGuard(arms=arms) if guard else None
+        self.guard = (
+            RecencyGuard(arms=arms, max_shadow_blocks=guard_shadow_blocks, pinned=guard_arm or None)
+            if guard
+            else None
+        )
         self.configure_tiers(gpu_blocks=gpu_blocks, host_blocks=host_blocks)
 
     # -- the public surface ----------------------------------------------------------------------

@@ -120,7 +120,9 @@ class _Evidence:
 
 class RecencyGuard:
     """Chooses, window by window, between vLLM's default and the policy's arms (``arms``:
-    their names; each arm's snapshots come through ``adopt``)."""
+    their names; each arm's snapshots come through ``adopt``). ``pinned``: publish this arm
+    (``recency`` or one of ``arms``) throughout, whatever the windows say; the shadows and
+    their counters run as ever (to read one arm's shadow against its real tiers)."""
 
     def __init__(
         self,
@@ -131,6 +133,7 @@ class RecencyGuard:
         tolerance: float = 0.01,
         confidence: float = 1.0,
         max_shadow_blocks: int = MAX_SHADOW_BLOCKS,
+        pinned: str | None = None,
     ) -> None:
         if window < 1 or max_shadow_blocks < 1:
             raise ValueError("window and max_shadow_blocks >= 1")
@@ -146,7 +149,11 @@ class RecencyGuard:
         self.max_shadow_blocks = max_shadow_blocks
         self.counters = GuardCounters()
         self.arms: tuple[str, ...] = (RECENCY, *arms)
-        self.published = RECENCY  # vLLM's default until the sample says an arm wins
+        if pinned is not None and pinned not in self.arms:
+            raise ValueError(f"pinned is one of {', '.join(self.arms)}; got {pinned!r}")
+        self.pinned = pinned
+        # vLLM's default until the sample says an arm wins
+        self.published = RECENCY if pinned is None else pinned
         self.sampler = BlockSampler()
         self.shadows = {arm: ShadowTiers() for arm in self.arms}
         self._active = False  # a tier to shadow
@@ -303,7 +310,7 @@ class RecencyGuard:
                 best, best_excess = arm, excess
         self._window_refs = self._window_requests = 0
         self._window_hits = dict.fromkeys(self.arms, 0)
-        if best != published:
+        if best != published and self.pinned is None:
             self.published = best
             self._evidence = {arm: _Evidence() for arm in self.arms}
             switches = _ARM_COUNTERS[best][1]
