@@ -85,6 +85,10 @@ OWN_PARSERS: dict[str, tuple[str, str]] = {
         "experiments.screenshots",
         "every dashboard page in headless Chromium, checked not blank",
     ),
+    "host-losses": (
+        "experiments.host_losses",
+        "which of LRU's host-tier hits another policy loses, and why",
+    ),
     "matrix": (
         "experiments.matrix",
         "agentkv against every baseline and the bound on every workload",
