@@ -94,6 +94,8 @@ class HostStay:
     removed_seq: int | None = None
     removed_ts: float | None = None
     evicted_as: str = ""  # the order that evicted it (``EVICTED_AS``)
+    # taken at a score the snapshot in effect no longer gives it (the walk had not reached it)
+    stale: bool = False
 
 
 class EventLog:
@@ -106,7 +108,8 @@ class EventLog:
         self.order: HostOrder[int] | None = None
         self.requests: dict[str, RequestSeen] = {}
         self.stays: dict[int, list[HostStay]] = {}
-        self._why: dict[int, str] = {}  # evicted block -> why, until its ``BlocksRemoved``
+        # evicted block -> why, and whether its score was stale, until its ``BlocksRemoved``
+        self._why: dict[int, tuple[str, bool]] = {}
         self._seq = 0
 
     @property
@@ -136,7 +139,7 @@ class EventLog:
                 for block in event.block_hashes:
                     stay = self.stays[block][-1]
                     stay.removed_seq, stay.removed_ts = self._seq, event.ts
-                    stay.evicted_as = self._why.pop(block, BY_RECENCY)
+                    stay.evicted_as, stay.stale = self._why.pop(block, (BY_RECENCY, False))
         return self.engine.apply(batch)
 
     def _stored(self, block: int, ts: float) -> None:
@@ -158,13 +161,15 @@ class EventLog:
     def _taken(self, entries: list[tuple[Priority, int]]) -> None:
         view = self.order.view if self.order is not None else None
         for (cls, score, _), block in entries:
+            stale = False
             if cls == RETIRED:
                 why = AS_RETIRED
             elif view is None or not view.host_scores:
                 why = BY_RECENCY
             else:
                 why = AT_DEFAULT if score == view.default_score else BY_SCORE
-            self._why[block] = why
+                stale = score != view.host_score(block)
+            self._why[block] = (why, stale)
 
     def stay_before(self, block: int, seq: int) -> HostStay | None:
         """The block's last residence written before event ``seq`` (None: never written)."""
@@ -267,7 +272,7 @@ def tables(losses: Losses, label: str) -> list[Table]:
 
     evicted = Table(title="the evicted ones (seconds of simulated time, quartiles)")
     evicted.add_column("evicted as")
-    for column in ("blocks", "not named when written", "score when written"):
+    for column in ("blocks", "not named when written", "stale score", "score when written"):
         evicted.add_column(column, justify="right")
     for column in ("written -> evicted", "evicted -> needed", "written -> needed"):
         evicted.add_column(column, justify="right")
@@ -277,13 +282,17 @@ def tables(losses: Losses, label: str) -> list[Table]:
             why,
             f"{len(rows):,}",
             f"{sum(not s.named for s, _ in rows):,}",
+            f"{sum(s.stale for s, _ in rows):,}",
             _quartiles(s.score for s, _ in rows if s.score is not None),
             _quartiles(s.removed_ts - s.stored_ts for s, _ in rows if s.removed_ts is not None),
             _quartiles(t - s.removed_ts for s, t in rows if s.removed_ts is not None),
             _quartiles(t - s.stored_ts for s, t in rows),
         )
     evicted.add_row(
-        "(LRU's hits)", f"{len(losses.lru_stay_s):,}", "", "", "", "", _quartiles(losses.lru_stay_s)
+        "(LRU's hits)",
+        f"{len(losses.lru_stay_s):,}",
+        *[""] * 5,
+        _quartiles(losses.lru_stay_s),
     )
 
     agents = Table(title="the lost blocks by the agent that needed them")
