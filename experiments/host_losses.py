@@ -225,28 +225,29 @@ def compare(lru: EventLog, other: EventLog) -> Losses:
             stay = lru.stay_before(block, seen.seq)
             if stay is not None:
                 out.lru_stay_s.append(seen.ts - stay.stored_ts)
-            kind = _fate(other, theirs, i)
+            kind, theirs_stay = _fate(other, theirs, i)
             out.classes[kind] += 1
             if kind not in (HOST, GPU):
                 out.lost_by_agent[theirs.agent] += 1
             if kind == EVICTED:
-                evicted = other.stay_before(block, theirs.seq)
-                assert evicted is not None
-                out.evicted.append((evicted, theirs.ts))
+                assert theirs_stay is not None
+                out.evicted.append((theirs_stay, theirs.ts))
     return out
 
 
-def _fate(log: EventLog, seen: RequestSeen, i: int) -> str:
+def _fate(log: EventLog, seen: RequestSeen, i: int) -> tuple[str, HostStay | None]:
+    """What became of the request's ``i``-th block in ``log``'s replay, and the block's last
+    host residence before the request (None when served, or never written)."""
     if i < seen.gpu_hit:
-        return GPU
+        return GPU, None
     if i < seen.gpu_hit + seen.host_hit:
-        return HOST
+        return HOST, None
     stay = log.stay_before(seen.blocks[i], seen.seq)
     if stay is None:
-        return NEVER
+        return NEVER, None
     if stay.removed_seq is not None and stay.removed_seq < seen.seq:
-        return EVICTED
-    return BEHIND
+        return EVICTED, stay
+    return BEHIND, stay
 
 
 def _quartiles(values: Iterable[float]) -> str:

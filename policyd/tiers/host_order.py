@@ -144,8 +144,8 @@ class HostOrder(Generic[K]):
             self._walking = False
 
     def _compact_chunk(self) -> None:
-        """Copy the next ``REKEY_CHUNK`` slots' current entries into the fresh heap; at the end
-        it replaces the live one, which goes to ``release``."""
+        """Copy the next ``REKEY_CHUNK`` slots' current entries into the fresh heaps (by
+        priority and by rank); at the end they replace the live ones, which go to ``release``."""
         nxt, nxt_by_rank = self._next_heap, self._next_by_rank
         assert nxt is not None
         slots, prio, rank = self._slots, self._prio, self._rank
@@ -325,4 +325,5 @@ def _take(
 
 
 def _drop(entries: list[Any]) -> None:
-    """The default ``HostOrder.release``: let the caller's reference go."""
+    """The default ``HostOrder.release`` and ``HostOrder.evicted``: let the caller's reference
+    go."""
