@@ -449,6 +449,73 @@ def test_a_budgeted_rekey_walk_keeps_evictions_in_priority_order(seed: int) -> N
     assert not order.rekeying
 
 
+def _held_state(order: HostOrder[int]) -> tuple[object, ...]:
+    return (
+        order._rank,
+        order._prio,
+        order._slots,
+        order._slot_of,
+        order._free_slots,
+        order._heap,
+        order._by_rank,
+        order._next_heap,
+        order._next_by_rank,
+        order._next_rank,
+    )
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.booleans())
+def test_insert_many_and_remove_many_are_the_calls_one_key_at_a_time(
+    seed: int, rekeyed: bool
+) -> None:
+    """The batched calls the simulator's host tier makes (a request's blocks at once) leave
+    the order exactly as ``insert``/``touch`` and ``remove`` key by key: the same ranks, slots
+    and heap entries, so the same evictions - under views, walks, compactions in progress and
+    (``rekeyed`` False: nobody runs ``rekey``) the compaction done at once."""
+    rng = random.Random(seed)
+    batched: HostOrder[int] = HostOrder(lambda k: k)
+    single: HostOrder[int] = HostOrder(lambda k: k)
+    space = 80 if rekeyed else 24  # few keys touched often: stale entries pile up
+    for step in range(600):
+        op = rng.random()
+        if op < 0.45:
+            keys = [rng.randrange(space) for _ in range(rng.randint(1, 20))]
+            batched.insert_many(keys)
+            for key in keys:
+                if key in single:
+                    single.touch([key])
+                else:
+                    single.insert(key, evictable=True)
+        elif op < 0.55:
+            keys = [rng.randrange(space) for _ in range(rng.randint(1, 6))]
+            batched.remove_many(keys)
+            for key in keys:
+                single.remove(key)
+        elif op < 0.6:
+            key = rng.randrange(space)
+            for order in (batched, single):
+                order.mark_non_evictable(key)
+        elif op < 0.62:
+            named = rng.sample(range(space), 12)
+            groups = tuple(ScoredBlocks(rng.uniform(-2, 2), (b,)) for b in named)
+            pick = rng.random()
+            view = SnapshotView.of(snap(scores=groups, stage=(rng.randrange(space),)))
+            chosen = view if pick < 0.6 else SnapshotView.of(snap()) if pick < 0.8 else None
+            retired = set(rng.sample(range(space), 5)) if pick < 0.6 else frozenset()
+            for order in (batched, single):
+                order.set_view(chosen, retired)
+        elif op < 0.85:
+            if rekeyed:
+                units = rng.randint(1, 4)
+                assert batched.rekey(units) == single.rekey(units)
+        elif op < 0.9 or rekeyed:
+            n = rng.randint(1, 3)
+            protected = set(rng.sample(range(space), 3))
+            assert batched.evict(n, protected) == single.evict(n, protected), step
+        assert _held_state(batched) == _held_state(single), step
+
+
 def test_a_compacted_heap_goes_to_release_and_the_order_is_unchanged() -> None:
     """Touches leave stale heap entries; the compaction that drops them hands the replaced
     heap to ``release`` (the connector frees it off vLLM's thread), costing no unit for it."""

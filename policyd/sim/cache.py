@@ -21,7 +21,7 @@ request ends, so only one copy is ever cached.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Iterator, Sequence
 from typing import Literal
 
 from policyd.core.queues import EvictionQueue, LruQueue
@@ -54,15 +54,13 @@ class HostOrderQueue:
             self.order.insert(block, evictable=True)
 
     def push_many(self, blocks: list[int]) -> None:
-        for block in blocks:
-            self.push(block)
+        self.order.insert_many(blocks)
 
     def discard(self, block: int) -> None:
         self.order.remove(block)
 
     def discard_many(self, blocks: list[int]) -> None:
-        for block in blocks:
-            self.order.remove(block)
+        self.order.remove_many(blocks)
 
     def pop_head(self) -> int | None:
         out = self.order.evict(1)
@@ -255,25 +253,29 @@ class HostTier:
         self.capacity_blocks = capacity_blocks
         self.queue = queue
         self.admits = admits
+        # the resident blocks, for membership tests (the connector's order: its live key view)
+        self._resident: Container[object] = (
+            queue.order.members if isinstance(queue, HostOrderQueue) else queue
+        )
 
     def __contains__(self, block: object) -> bool:
-        return block in self.queue
+        return block in self._resident
 
     def __len__(self) -> int:
         return len(self.queue)
 
     def prefix_hits(self, blocks: Sequence[int], start: int, limit: int) -> int:
         """Length of the run of host-resident blocks from ``start``, at most ``limit`` in all."""
-        queue = self.queue
+        resident = self._resident
         n = start
-        while n < limit and blocks[n] in queue:
+        while n < limit and blocks[n] in resident:
             n += 1
         return n - start
 
     def touch(self, blocks: Iterable[int]) -> None:
         """Make resident ``blocks`` the most recent, in the order given."""
-        queue = self.queue
-        present = [b for b in blocks if b in queue]
+        queue, resident = self.queue, self._resident
+        present = [b for b in blocks if b in resident]
         queue.discard_many(present)
         queue.push_many(present)
 
@@ -287,13 +289,13 @@ class HostTier:
         unprotected blocks can be evicted nothing is stored. With ``admits`` (an oracle) each
         block is decided alone and may be bypassed.
         """
-        queue, admits = self.queue, self.admits
-        new = [b for b in dict.fromkeys(blocks) if b not in queue]
+        queue, admits, resident = self.queue, self.admits, self._resident
+        new = [b for b in dict.fromkeys(blocks) if b not in resident]
         stored: list[int] = []
         evicted: list[int] = []
         if not new or self.capacity_blocks == 0:
             return stored, evicted
-        guard = {b for b in protected if b in queue}
+        guard = {b for b in protected if b in resident}
         if admits is None:
             n_evict = len(queue) + len(new) - self.capacity_blocks
             if n_evict > 0:

@@ -98,8 +98,7 @@ class HostWrites:
 
     def _store(self, req: SimRequest, offered: Sequence[int]) -> None:
         host = self.host
-        resident = host.queue
-        candidates = [b for b in offered if b not in resident]
+        candidates = [b for b in offered if b not in host]
         if not candidates:
             return
         admitted = self._admitted(req, candidates)

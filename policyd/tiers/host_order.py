@@ -26,7 +26,7 @@ and no change when it cannot take exactly ``n`` unprotected keys.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, KeysView
 from collections.abc import Set as AbstractSet
 from typing import Any, Final, Generic, TypeVar
 
@@ -81,6 +81,11 @@ class HostOrder(Generic[K]):
     def __iter__(self) -> Iterator[K]:
         """Every key, in no particular order."""
         return iter(self._rank)
+
+    @property
+    def members(self) -> KeysView[K]:
+        """Every key, as a live view (membership tests in C on a hot path)."""
+        return self._rank.keys()
 
     @property
     def num_evictable(self) -> int:
@@ -186,11 +191,14 @@ class HostOrder(Generic[K]):
             heapq.heappush(nxt, (p, key))
             heapq.heappush(self._next_by_rank, r)
         elif len(self._heap) + len(self._by_rank) > 32 * len(self._prio) + 2048:
-            # nobody runs ``rekey``: compact at once
-            self._heap = [(q, k) for k, q in self._prio.items()]
-            heapq.heapify(self._heap)
-            self._by_rank = [(self._rank[k], k) for k in self._prio]
-            heapq.heapify(self._by_rank)
+            self._compact_now()
+
+    def _compact_now(self) -> None:
+        """Nobody runs ``rekey`` and the heaps are mostly stale entries: rebuild them at once."""
+        self._heap = [(q, k) for k, q in self._prio.items()]
+        heapq.heapify(self._heap)
+        self._by_rank = [(self._rank[k], k) for k in self._prio]
+        heapq.heapify(self._by_rank)
 
     # -- membership -------------------------------------------------------------------------
 
@@ -218,6 +226,67 @@ class HostOrder(Generic[K]):
             self._push(key)  # inserted again: its rank, and so its priority, changed
         elif evictable:
             self._add_evictable(key)
+
+    def insert_many(self, keys: Iterable[K]) -> None:
+        """For each key in turn: ``touch([key])`` when it is held, else ``insert(key,
+        evictable=True)`` - the same ranks, slots and heap entries as those calls, made in one
+        loop (a request's blocks, on the simulator's and the manager's hot path)."""
+        rank_of, slot_of, prio = self._rank, self._slot_of, self._prio
+        slots, free_slots = self._slots, self._free_slots
+        view, retired, block_of = self._view, self._retired, self.block_of
+        heappush = heapq.heappush
+        rank = self._next_rank
+        # entries the heaps may gain before ``_push``'s compaction test would pass
+        room = 32 * len(prio) + 2048 - len(self._heap) - len(self._by_rank)
+        for key in keys:
+            rank += 1
+            held = key in rank_of
+            rank_of[key] = rank
+            if held:
+                if key not in slot_of:
+                    continue  # held, not evictable: a new rank only
+            else:
+                room += 32
+                if free_slots:
+                    slot = free_slots.pop()
+                    slots[slot] = key
+                    slot_of[key] = slot
+                else:
+                    slot_of[key] = len(slots)
+                    slots.append(key)
+            # _push, inlined
+            if view is None:
+                p: Priority = (NORMAL, 0.0, rank)
+            else:
+                block = block_of(key)
+                cls = RETIRED if block in retired else STAGED if block in view.stage else NORMAL
+                p = (cls, view.host_scores.get(block, view.default_score), rank)
+            prio[key] = p
+            r = (rank, key)
+            heappush(self._heap, (p, key))
+            heappush(self._by_rank, r)
+            room -= 2
+            nxt = self._next_heap
+            if nxt is not None and slot_of[key] < self._cursor:
+                heappush(nxt, (p, key))
+                heappush(self._next_by_rank, r)
+            elif room < 0:
+                self._next_rank = rank
+                self._compact_now()
+                room = 32 * len(prio) + 2048 - len(self._heap) - len(self._by_rank)
+        self._next_rank = rank
+
+    def remove_many(self, keys: Iterable[K]) -> None:
+        """``remove`` of each key."""
+        rank_of, slot_of, prio = self._rank, self._slot_of, self._prio
+        slots, free_slots = self._slots, self._free_slots
+        for key in keys:
+            rank_of.pop(key, None)
+            slot = slot_of.pop(key, None)
+            if slot is not None:
+                slots[slot] = None
+                free_slots.append(slot)
+                del prio[key]
 
     def remove(self, key: K) -> None:
         self._rank.pop(key, None)
