@@ -171,6 +171,25 @@ def test_a_workflow_listed_retired_before_its_request_queues_its_blocks_in_order
     assert own.dead == {3, 5, 9}
 
 
+def test_a_recount_settles_workflows_in_the_order_they_were_last_seen() -> None:
+    """A budgeted recount settles the newly retired workflows one after another, so which
+    blocks a step finds retired depends on that order: the workflows' last-seen order, never a
+    set's (string hashing differs from process to process, and the replays with it)."""
+    own = Ownership()
+    names = [f"wf-{i}" for i in range(24)]
+    for i, name in enumerate(names):
+        own.record(name, [100 + i])
+    own.record("wf-3", [103])  # seen again: last in the order
+    order = [n for n in names if n != "wf-3"] + ["wf-3"]
+    retired = frozenset(names[::2])
+    for _ in own.retire(retired).work:
+        pass
+    assert list(own.fresh) == [100 + names.index(n) for n in order if n in retired]
+    for _ in own.retire(frozenset()).work:  # all live again, in the same order
+        pass
+    assert own.dead == set()
+
+
 class ReferenceOwnership:
     """The retired set by its definition, recomputed from scratch: blocks whose every tracked
     owner (the 4 most recently seen workflows) is retired."""

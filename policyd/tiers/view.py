@@ -286,9 +286,11 @@ class Ownership:
             if epoch != self._epoch:
                 return
         with self._lock:
-            tracked = {w for w in retired_workflows if w in self._blocks}
-            changes = [(w, +1) for w in tracked - self._retired_workflows]
-            changes += [(w, -1) for w in self._retired_workflows - tracked]
+            # in the order the workflows were last seen, not a set's: that order decides which
+            # blocks a budgeted recount settles first, so it must not depend on string hashing
+            was = self._retired_workflows
+            changes = [(w, +1) for w in self._blocks if w in retired_workflows and w not in was]
+            changes += [(w, -1) for w in self._blocks if w in was and w not in retired_workflows]
         yield None
         for workflow_id, step in changes:
             with self._lock:
