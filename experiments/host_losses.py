@@ -15,6 +15,11 @@ policy's replay of the same request says what became of that block:
 
 A policy that loses none of LRU's host hits and adds some is ahead on the host tier; the classes
 say which of its decisions (the write filter or the host order) pays for a shortfall.
+
+With ``--windows`` (a policy with a recency guard) the guard's windows are printed too: the arm
+published in each and the one chosen after it, each arm's shadow hits, and the sampled blocks the
+real tiers hit against what the shadow of the published arm hit on the same requests - where
+the two part, the real tiers pay for something no shadow follows (a switch's cost).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from policyd.core.types import (
     RequestStarted,
 )
 from policyd.policies import make_policy
+from policyd.policies.guard import RecencyGuard, WindowRecord
 from policyd.sim.cache import HostOrderQueue
 from policyd.sim.link import EngineCounters, SimEngine
 from policyd.sim.replay import SimConfig, Simulator
@@ -181,11 +187,21 @@ class EventLog:
         return last
 
 
-def logged_replay(work: Workload, label: str, config: SimConfig) -> tuple[EventLog, float]:
+def logged_replay(
+    work: Workload,
+    label: str,
+    config: SimConfig,
+    *,
+    windows: list[WindowRecord] | None = None,
+) -> tuple[EventLog, float]:
     """Replay ``work`` under the policy ``label`` (``name`` or ``name[param=value,...]``) with
-    its events logged; the log and the replay's hit rate."""
+    its events logged; the log and the replay's hit rate. ``windows``: filled with the
+    policy's recency guard's windows, where it has one."""
     name, params = policy_variant(label)
     policy = make_policy(name, **params)
+    guard = getattr(policy, "guard", None)
+    if windows is not None and isinstance(guard, RecencyGuard):
+        guard.journal = windows
     logs: list[EventLog] = []
 
     def engine(clock: Callable[[], float]) -> SimEngine:
@@ -304,6 +320,34 @@ def tables(losses: Losses, label: str) -> list[Table]:
     return [fates, evicted, agents]
 
 
+def window_table(windows: Sequence[WindowRecord]) -> Table:
+    """The guard's windows, one row each, and their totals."""
+    arms = list(windows[0].hits) if windows else []
+    table = Table(title="the recency guard's windows (sampled blocks)")
+    for column in ("window", "published", "then"):
+        table.add_column(column)
+    for column in (*[f"{arm} shadow" for arm in arms], "real tiers", "published shadow"):
+        table.add_column(column, justify="right")
+    for i, w in enumerate(windows, 1):
+        table.add_row(
+            str(i),
+            w.published,
+            w.chosen if w.chosen != w.published else "",
+            *[f"{w.hits[arm]:,}" for arm in arms],
+            f"{w.real_hits:,}",
+            f"{w.shadow_hits:,}",
+        )
+    table.add_row(
+        "all",
+        "",
+        "",
+        *[f"{sum(w.hits[arm] for w in windows):,}" for arm in arms],
+        f"{sum(w.real_hits for w in windows):,}",
+        f"{sum(w.shadow_hits for w in windows):,}",
+    )
+    return table
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="policyd host-losses", description=__doc__)
     p.add_argument("--workload", default="financial", help="a generator name or a trace path")
@@ -314,6 +358,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--gpu-blocks", type=int, default=2108)
     p.add_argument("--host-blocks", type=int, default=2108)
     p.add_argument("--policy", default="agentkv[guard=false]", help="name or name[param=value]")
+    p.add_argument(
+        "--windows",
+        action="store_true",
+        help="also print the policy's recency guard's windows (agentkv with its guard)",
+    )
     args = p.parse_args(argv)
     if args.host_blocks <= 0:
         p.error("--host-blocks must be positive: the comparison is of host-tier hits")
@@ -336,7 +385,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress.print(f"replaying {source.label} under lru")
     lru_log, lru_rate = logged_replay(work, "lru", config)
     progress.print(escape(f"replaying {source.label} under {args.policy}"))
-    other_log, other_rate = logged_replay(work, args.policy, config)
+    windows: list[WindowRecord] = []
+    other_log, other_rate = logged_replay(
+        work, args.policy, config, windows=windows if args.windows else None
+    )
+    if args.windows and not windows:
+        progress.print(escape(f"{args.policy} has no recency guard, or it closed no window"))
     out = Console() if sys.stdout.isatty() else Console(width=200)
     out.print(
         escape(
@@ -348,6 +402,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for table in tables(compare(lru_log, other_log), args.policy):
         out.print(table)
+    if windows:
+        out.print(window_table(windows))
     given = argv if argv is not None else sys.argv[1:]
     out.print(
         escape(f"reproduce: {shlex.join(['policyd', 'host-losses', *given])}"), highlight=False

@@ -4,6 +4,7 @@ host hits add up."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import pairwise
 
 import pytest
 
@@ -20,6 +21,7 @@ from experiments.host_losses import (
 from experiments.matrix import Source, largest_request, load_source
 from policyd.core.engine import Engine
 from policyd.policies import make_policy
+from policyd.policies.guard import RecencyGuard, WindowRecord
 from policyd.sim.cache import HostOrderQueue
 from policyd.sim.replay import SimConfig, Simulator
 from policyd.workloads.calls import Workload
@@ -95,3 +97,32 @@ def test_the_command_prints_its_tables_and_refuses_bad_input(
     for bad in bad_input:
         with pytest.raises(SystemExit):
             main([*argv, *bad])
+
+
+def test_the_guards_windows_add_up_to_its_counters(financial: tuple[Workload, SimConfig]) -> None:
+    """``--windows``: one record per closed window, the arm chosen after one window is the arm
+    published in the next, and the hits add up to the guard's own counters."""
+    work, config = financial
+    windows: list[WindowRecord] = []
+    policy = make_policy("agentkv")
+    guard = policy.guard  # type: ignore[attr-defined]
+    assert isinstance(guard, RecencyGuard)
+    guard.journal = windows
+    Simulator(work, policy, config).run()
+    c = guard.counters
+    assert len(windows) == c.windows > 1
+    assert windows[0].published == "recency"
+    assert all(a.chosen == b.published for a, b in pairwise(windows))
+    assert sum(w.hits["recency"] for w in windows) <= c.default_shadow_hits
+    assert sum(w.real_hits for w in windows) <= c.real_hits
+    for arm in ("recency", "filter", "learned"):
+        assert sum(w.published == arm for w in windows) == getattr(c, f"{arm}_windows")
+
+
+def test_the_command_prints_the_guards_windows(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--streams", "4", "--concurrency", "4", "--gpu-blocks", "2108"]
+    assert main([*argv, "--host-blocks", "2108", "--policy", "agentkv", "--windows"]) == 0
+    out = capsys.readouterr().out
+    assert "the recency guard's windows" in out and "published shadow" in out
+    assert main([*argv, "--host-blocks", "2108", "--policy", "lru", "--windows"]) == 0
+    assert "the recency guard's windows" not in capsys.readouterr().out

@@ -91,6 +91,17 @@ class GuardCounters:
     shadow_hits: int = 0  # what the shadow of the published decisions hit on those requests
 
 
+@dataclass(frozen=True, slots=True)
+class WindowRecord:
+    """One closed window, as ``RecencyGuard.journal`` keeps it (diagnostics)."""
+
+    published: str  # the arm published during the window
+    chosen: str  # the arm published after it
+    hits: dict[str, int]  # per arm, the sampled blocks its shadow hit
+    real_hits: int  # sampled blocks the real tiers hit, on the requests that reported in it
+    shadow_hits: int  # and the shadow of the arm published at their start, on those requests
+
+
 # per arm: its counters of windows published and of switches to it
 _ARM_COUNTERS: Final = {
     RECENCY: ("recency_windows", "switches_to_recency"),
@@ -122,7 +133,12 @@ class RecencyGuard:
     """Chooses, window by window, between vLLM's default and the policy's arms (``arms``:
     their names; each arm's snapshots come through ``adopt``). ``pinned``: publish this arm
     (``recency`` or one of ``arms``) throughout, whatever the windows say; the shadows and
-    their counters run as ever (to read one arm's shadow against its real tiers)."""
+    their counters run as ever (to read one arm's shadow against its real tiers).
+
+    ``journal``: set it to a list and every closed window is appended to it
+    (``WindowRecord``; ``policyd host-losses --windows`` prints them)."""
+
+    journal: list[WindowRecord] | None = None
 
     def __init__(
         self,
@@ -163,6 +179,7 @@ class RecencyGuard:
         self._evidence = {arm: _Evidence() for arm in self.arms}
         self._window_refs = self._window_requests = 0
         self._window_hits = dict.fromkeys(self.arms, 0)
+        self._reported = (0, 0)  # real and shadow hits counted when the last window closed
 
     @property
     def learned(self) -> bool:
@@ -315,6 +332,14 @@ class RecencyGuard:
             self._evidence = {arm: _Evidence() for arm in self.arms}
             switches = _ARM_COUNTERS[best][1]
             setattr(c, switches, getattr(c, switches) + 1)
+        if self.journal is not None:
+            real, shadow = self._reported
+            self.journal.append(
+                WindowRecord(
+                    published, self.published, hits, c.real_hits - real, c.shadow_hits - shadow
+                )
+            )
+        self._reported = (c.real_hits, c.shadow_hits)
 
     def state(self) -> dict[str, object]:
         """For stats and the dashboard."""
