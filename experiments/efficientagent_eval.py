@@ -193,6 +193,10 @@ def results_table(rows: Sequence[Row], meta: dict[str, Any]) -> Table:
         "declined blk",
     ):
         table.add_column(column, justify="left" if column in ("host tier", "policy") else "right")
+    audited = any(row.report.declined_lost_hits is not None for row in rows)
+    if audited:  # --audit: Proposition 1's classes of the declined blocks reused later
+        table.add_column("declined, reused while write-all held them", justify="right")
+        table.add_column("declined, reused after", justify="right")
     none = _find(rows, "none", "write-all")
     gib = meta["kv_bytes_per_block"] / 1024**3
     for row in rows:
@@ -209,8 +213,13 @@ def results_table(rows: Sequence[Row], meta: dict[str, Any]) -> Table:
             f"{r.host_hit_rate:.3f}",
             f"{r.host_write_bytes / 1e9:,.0f}",
             f"{r.host_declined_blocks:,}",
+            *((_count(r.declined_lost_hits), _count(r.declined_reused_late)) if audited else ()),
         )
     return table
+
+
+def _count(n: int | None) -> str:
+    return "-" if n is None else f"{n:,}"
 
 
 def claims(rows: Sequence[Row]) -> list[tuple[str, str, str]]:

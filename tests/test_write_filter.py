@@ -20,8 +20,12 @@ The stream is a pool of coding agents in a fixed order (each call its own stream
 
 from __future__ import annotations
 
+import dataclasses
 from functools import cache
 
+from rich.console import Console
+
+from experiments.efficientagent_eval import Row, results_table
 from experiments.mrc_eval import interleave
 from policyd.core.policy import Policy
 from policyd.policies import make_policy
@@ -107,3 +111,23 @@ def test_agentkv_declines_nothing_while_the_tier_has_room() -> None:
     ours, audit = replay(make_policy("agentkv"), LARGE_HOST_BLOCKS)
     assert audit.counts.declined_blocks == 0 and ours.host_declined_blocks == 0
     assert ours.host_write_bytes == write_all.host_write_bytes
+
+
+def test_the_experiment_prints_the_audits_classes_of_reused_declines() -> None:
+    """``policyd eval-efficientagent --audit`` prints Proposition 1's two classes of declined
+    blocks referenced again, as the replay's report counts them; without the audit, neither."""
+    report, audit = replay(
+        make_policy("efficientagent", mode="fixed", kappa_chunks=0), LARGE_HOST_BLOCKS
+    )
+    assert report.declined_lost_hits == audit.counts.lost_hits > 0
+    assert report.declined_reused_late == audit.counts.reused_late
+    meta = {"kv_bytes_per_block": 2 << 20}
+    row = Row("large", LARGE_HOST_BLOCKS, "efficientagent-fixed", report)
+    console = Console(width=400, record=True)
+    console.print(results_table([row], meta))
+    text = console.export_text()
+    assert "declined, reused while write-all held them" in text
+    assert f"{report.declined_lost_hits:,}" in text
+    unaudited = dataclasses.replace(report, declined_lost_hits=None, declined_reused_late=None)
+    console.print(results_table([Row("large", LARGE_HOST_BLOCKS, "x", unaudited)], meta))
+    assert "reused after" not in console.export_text()
