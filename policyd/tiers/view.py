@@ -13,7 +13,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from itertools import chain, filterfalse, repeat
+from itertools import chain, count, filterfalse, repeat
 from operator import add
 from typing import Final
 
@@ -167,6 +167,10 @@ class Ownership:
     def __init__(self, max_workflows: int = MAX_TRACKED_WORKFLOWS) -> None:
         self.max_workflows = max_workflows
         self._blocks: OrderedDict[str, set[int]] = OrderedDict()
+        # each tracked workflow's place in ``_blocks`` (the order they were last seen in), so a
+        # recount can take a list's workflows in that order without walking every tracked one
+        self._seen: dict[str, int] = {}
+        self._clock = count()
         self._owners: dict[int, int] = {}  # block -> tracked workflows that used it
         self._retired_owners: dict[int, int] = {}  # block -> how many of those are retired
         self._retired_workflows: set[str] = set()
@@ -193,6 +197,7 @@ class Ownership:
 
     def _record(self, workflow_id: str, blocks: Iterable[int]) -> None:
         owned = self._blocks.get(workflow_id)
+        self._seen[workflow_id] = next(self._clock)
         if owned is None:
             owned = self._blocks[workflow_id] = set()
             while len(self._blocks) > self.max_workflows:
@@ -250,6 +255,7 @@ class Ownership:
             self._count_retired(blocks[done:], step)
 
     def _forget(self, workflow_id: str, blocks: set[int]) -> None:
+        del self._seen[workflow_id]
         if self._recounting is not None and self._recounting[0] == workflow_id:
             self._finish_recount()
         if workflow_id in self._retired_workflows:
@@ -288,9 +294,10 @@ class Ownership:
         with self._lock:
             # in the order the workflows were last seen, not a set's: that order decides which
             # blocks a budgeted recount settles first, so it must not depend on string hashing
-            was = self._retired_workflows
-            changes = [(w, +1) for w in self._blocks if w in retired_workflows and w not in was]
-            changes += [(w, -1) for w in self._blocks if w in was and w not in retired_workflows]
+            seen, was = self._seen, self._retired_workflows
+            tracked = {w for w in retired_workflows if w in seen}
+            changes = [(w, +1) for w in sorted(tracked - was, key=seen.__getitem__)]
+            changes += [(w, -1) for w in sorted(was - tracked, key=seen.__getitem__)]
         yield None
         for workflow_id, step in changes:
             with self._lock:
