@@ -171,14 +171,7 @@ class HostOrder(Generic[K]):
         view = self._view
         if view is None:
             return (NORMAL, 0.0, self._rank[key])
-        block = self.block_of(key)
-        if block in self._retired:
-            cls = RETIRED
-        elif block in view.stage:
-            cls = STAGED
-        else:
-            cls = NORMAL
-        return (cls, view.host_score(block), self._rank[key])
+        return _priority_under(view, self._retired, self.block_of(key), self._rank[key])
 
     def _push(self, key: K) -> None:
         """``key`` became evictable or took a new rank: an entry in both heaps."""
@@ -190,8 +183,13 @@ class HostOrder(Generic[K]):
         if nxt is not None and self._slot_of[key] < self._cursor:  # compaction has passed it
             heapq.heappush(nxt, (p, key))
             heapq.heappush(self._next_by_rank, r)
-        elif len(self._heap) + len(self._by_rank) > 32 * len(self._prio) + 2048:
+        elif self._room() < 0:
             self._compact_now()
+
+    def _room(self) -> int:
+        """Entries the heaps may still gain before, with nobody running ``rekey``, they are
+        rebuilt at once (``_compact_now``)."""
+        return 32 * len(self._prio) + 2048 - len(self._heap) - len(self._by_rank)
 
     def _compact_now(self) -> None:
         """Nobody runs ``rekey`` and the heaps are mostly stale entries: rebuild them at once."""
@@ -236,8 +234,7 @@ class HostOrder(Generic[K]):
         view, retired, block_of = self._view, self._retired, self.block_of
         heappush = heapq.heappush
         rank = self._next_rank
-        # entries the heaps may gain before ``_push``'s compaction test would pass
-        room = 32 * len(prio) + 2048 - len(self._heap) - len(self._by_rank)
+        room = self._room()  # kept as the loop goes: a new key adds 32, two entries take 2
         for key in keys:
             rank += 1
             held = key in rank_of
@@ -255,12 +252,11 @@ class HostOrder(Generic[K]):
                     slot_of[key] = len(slots)
                     slots.append(key)
             # _push, inlined
-            if view is None:
-                p: Priority = (NORMAL, 0.0, rank)
-            else:
-                block = block_of(key)
-                cls = RETIRED if block in retired else STAGED if block in view.stage else NORMAL
-                p = (cls, view.host_scores.get(block, view.default_score), rank)
+            p: Priority = (
+                (NORMAL, 0.0, rank)
+                if view is None
+                else _priority_under(view, retired, block_of(key), rank)
+            )
             prio[key] = p
             r = (rank, key)
             heappush(self._heap, (p, key))
@@ -273,20 +269,15 @@ class HostOrder(Generic[K]):
             elif room < 0:
                 self._next_rank = rank
                 self._compact_now()
-                room = 32 * len(prio) + 2048 - len(self._heap) - len(self._by_rank)
+                room = self._room()
         self._next_rank = rank
 
     def remove_many(self, keys: Iterable[K]) -> None:
         """``remove`` of each key."""
-        rank_of, slot_of, prio = self._rank, self._slot_of, self._prio
-        slots, free_slots = self._slots, self._free_slots
+        forget, drop = self._rank.pop, self._drop_evictable
         for key in keys:
-            rank_of.pop(key, None)
-            slot = slot_of.pop(key, None)
-            if slot is not None:
-                slots[slot] = None
-                free_slots.append(slot)
-                del prio[key]
+            forget(key, None)
+            drop(key)
 
     def remove(self, key: K) -> None:
         self._rank.pop(key, None)
@@ -362,6 +353,15 @@ class HostOrder(Generic[K]):
         if self._plain:
             return sorted(self._prio, key=self._rank.__getitem__)
         return [k for _, k in sorted((p, k) for k, p in self._prio.items())]
+
+
+def _priority_under(
+    view: SnapshotView, retired: AbstractSet[int], block: int, rank: int
+) -> Priority:
+    """A key's priority under ``view``: retired first, staged last, then the host score, then
+    recency."""
+    cls = RETIRED if block in retired else STAGED if block in view.stage else NORMAL
+    return (cls, view.host_score(block), rank)
 
 
 E = TypeVar("E", bound=tuple[Any, Any])
