@@ -12,6 +12,7 @@ import contextlib
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
@@ -31,7 +32,7 @@ from policyd.core.types import (
     RequestStarted,
     WorkflowFinished,
 )
-from policyd.core.validate import check_event
+from policyd.core.validate import check_event, clean_batch
 from policyd.daemon import views
 from policyd.daemon.service import Service
 from policyd.daemon.settings import DaemonSettings
@@ -136,6 +137,20 @@ def test_the_codec_round_trips_or_refuses_cleanly(batch: EventBatch) -> None:
     decoded = BATCH_CODEC.decode(frame)
     assert len(decoded.events) == len(batch.events)
     assert [check_event(e) for e in decoded.events] == [check_event(e) for e in batch.events]
+
+
+@FUZZ
+@given(batch=batches)
+def test_a_batch_is_cleaned_of_exactly_the_events_check_event_refuses(batch: EventBatch) -> None:
+    """``clean_batch`` checks block events inline: it keeps exactly what ``check_event`` passes,
+    in order, and counts each refusal under ``check_event``'s reason."""
+    rejected: Counter[str] = Counter()
+    cleaned = clean_batch(batch, rejected)
+    reasons = [check_event(e) for e in batch.events]
+    valid = [e for e, r in zip(batch.events, reasons, strict=True) if r is None]
+    assert list(cleaned.events) == valid
+    assert rejected == Counter(r for r in reasons if r is not None)
+    assert (cleaned is batch) == (not rejected)
 
 
 def _mangle(batch: EventBatch) -> bytes:

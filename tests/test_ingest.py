@@ -232,6 +232,38 @@ def test_past_the_hard_bound_frames_keep_their_closing_events_then_go_whole() ->
     assert [it.batch.seq for it in kept] == list(range(1, len(kept) + 1))
 
 
+def test_overload_cuts_before_the_range_checks_and_every_event_is_counted_once() -> None:
+    """Frames mixing valid and out-of-range events (NaN times, negative hashes) into a queue
+    nobody drains, through both bounds: what overload keeps is checked (its out-of-range
+    events dropped and counted invalid), what it cuts is counted shed or dropped; each event
+    received lands in exactly one of applied, invalid, shed or dropped, and each hash of a kept
+    or shed event in the block counts."""
+    queue = IngestQueue(max_frames=8, shed_above=2)
+    nan = float("nan")
+    for seq in range(1, 41):
+        events = (
+            stored(range(seq * 100, seq * 100 + 16)),
+            BlocksStored(ts=0.0, tier="gpu", block_hashes=(-seq, seq)),  # a negative hash
+            RequestStarted(ts=nan, request_id=f"r{seq}", workflow_id="w", agent="a"),
+            RequestFinished(ts=0.0, request_id=f"r{seq - 1}"),
+            WorkflowFinished(ts=nan, workflow_id="w"),
+        )
+        queue.offer(EventBatch("s", seq, events), 0.0)
+    c = queue.counters
+    kept = queue.take(1000, 0.0)
+    applied = sum(it.events for it in kept)
+    assert c.events_received == 40 * 5
+    assert c.events_received == applied + c.events_invalid + c.events_shed + c.events_dropped
+    assert c.events_invalid == queue.validator.total > 0
+    assert c.events_invalid < 40 * 3  # those of the frames overload cut were not checked
+    assert c.frames_dropped > 0 and c.events_shed > 0  # both bounds were passed
+    # no out-of-range event is queued for the Engine
+    for it in kept:
+        for e in it.batch.events:
+            assert e.ts == e.ts and min(getattr(e, "block_hashes", (0,))) >= 0
+    assert sum(it.block_events for it in kept) == c.block_events_received - c.block_events_shed
+
+
 def test_the_bench_drives_a_real_daemon_and_accounts_for_every_block_event(
     tmp_path: Path,
 ) -> None:

@@ -155,6 +155,8 @@ def coalesce(batch: EventBatch) -> EventBatch:
     (BlocksStored(ts=2.0, tier='gpu', block_hashes=(1, 2, 3), request_id=None),)
     """
     events = batch.events
+    if not _has_run(events):
+        return batch
     out: list[Event] = []
     run: list[Event] = []
     key: tuple[object, ...] | None = None
@@ -175,6 +177,24 @@ def coalesce(batch: EventBatch) -> EventBatch:
     if len(out) == len(events):
         return batch
     return EventBatch(source=batch.source, seq=batch.seq, events=tuple(out))
+
+
+def _has_run(events: tuple[Event, ...]) -> bool:
+    """Whether two consecutive events would merge (``coalesce``'s common case is none: then
+    it returns the batch without building a key per event)."""
+    previous: Event | None = None
+    previous_kind: type | None = None
+    for event in events:
+        kind = type(event)
+        if (
+            kind is previous_kind
+            and kind in BLOCK_LEVEL
+            and getattr(event, "tier", None) == getattr(previous, "tier", None)
+            and getattr(event, "request_id", None) == getattr(previous, "request_id", None)
+        ):
+            return True
+        previous, previous_kind = event, kind
+    return False
 
 
 def _close_run(run: list[Event], out: list[Event]) -> None:
@@ -339,16 +359,54 @@ class IngestQueue:
         ``HARD_BOUND_FACTOR x max_frames`` of depth - block events are all shed long before,
         so request-level events alone outrun the Engine - the frame keeps only its closing
         events (whole past ``LAST_RESORT_FACTOR x``); what goes is counted, and a frame
-        dropped whole leaves a sequence gap the Engine counts."""
+        dropped whole leaves a sequence gap the Engine counts. What is kept is then checked
+        against the schema's ranges (``Validator``: an event out of range is dropped and
+        counted in ``events_invalid``); what overload cut is counted as shed or dropped
+        without that check, so an overload costs no check of the events it saves the Engine.
+        Every event received is counted once: applied, invalid, shed or dropped."""
         with self._counting:
             return self._admit(batch, received_ts, recorded)
 
     def _admit(self, batch: EventBatch, received_ts: float, recorded: bool) -> Received | None:
         c = self.counters
         c.events_received += len(batch.events)
+        if self.depth >= HARD_BOUND_FACTOR * self.max_frames:
+            c.frames_dropped += 1
+            block_level = _block_level(batch)
+            c.events_shed += block_level
+            cut_blocks = block_events(batch)
+            c.block_events_received += cut_blocks
+            c.block_events_shed += cut_blocks
+            closing: tuple[Event, ...] = ()
+            if self.depth < LAST_RESORT_FACTOR * self.max_frames:
+                closing = tuple(e for e in batch.events if isinstance(e, CLOSING))
+            c.events_dropped += len(batch.events) - block_level - len(closing)
+            if not closing:
+                return None
+            batch = EventBatch(source=batch.source, seq=batch.seq, events=closing)
+        else:
+            rate = keep_rate(self.depth, self.shed_above, self.max_frames)
+            if rate < 1.0:
+                cut = shed(batch, rate)
+                batch = cut.batch
+                c.events_shed += cut.events
+                c.block_events_received += cut.block_events
+                c.block_events_shed += cut.block_events
+        # what is kept is checked (what overload cut is counted as shed or dropped, unchecked)
+        batch = self._valid(batch)
+        blocks = block_events(batch)
+        c.block_events_received += blocks
         n = len(batch.events)
-        batch = self.validator.clean(batch)  # out-of-range events: counted by reason, dropped
+        batch = coalesce(batch)
+        # a batch shed to nothing is still kept: the Engine must see its seq (no false gap)
+        return Received(batch, received_ts, n, blocks, weight(n, blocks), recorded)
+
+    def _valid(self, batch: EventBatch) -> EventBatch:
+        """``batch`` without its out-of-range events, counted by reason and logged."""
+        n = len(batch.events)
+        batch = self.validator.clean(batch)
         if len(batch.events) != n:
+            c = self.counters
             c.events_invalid += n - len(batch.events)
             self.ratelog.warning(
                 "invalid-event",
@@ -358,31 +416,7 @@ class IngestQueue:
                 c.events_invalid,
                 self.validator.by_reason(),
             )
-        blocks = block_events(batch)
-        c.block_events_received += blocks
-        if self.depth >= HARD_BOUND_FACTOR * self.max_frames:
-            c.frames_dropped += 1
-            block_level = _block_level(batch)
-            c.events_shed += block_level
-            c.block_events_shed += blocks
-            closing: tuple[Event, ...] = ()
-            if self.depth < LAST_RESORT_FACTOR * self.max_frames:
-                closing = tuple(e for e in batch.events if isinstance(e, CLOSING))
-            c.events_dropped += len(batch.events) - block_level - len(closing)
-            if not closing:
-                return None
-            batch, blocks = EventBatch(source=batch.source, seq=batch.seq, events=closing), 0
-        rate = keep_rate(self.depth, self.shed_above, self.max_frames)
-        if rate < 1.0 and blocks:
-            cut = shed(batch, rate)
-            batch = cut.batch
-            c.events_shed += cut.events
-            c.block_events_shed += cut.block_events
-            blocks -= cut.block_events
-        n = len(batch.events)
-        batch = coalesce(batch)
-        # a batch shed to nothing is still kept: the Engine must see its seq (no false gap)
-        return Received(batch, received_ts, n, blocks, weight(n, blocks), recorded)
+        return batch
 
     def _append(self, item: Received | _Frame) -> None:
         with self._cond:
