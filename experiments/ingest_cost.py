@@ -3,9 +3,9 @@ in-process, one stage after the other on the bench's own frames.
 
 ``policyd bench-ingest`` measures a running daemon whose threads share one interpreter lock
 (and, here, two cores with other work); this says what each stage would sustain alone on one
-core: decode (``BATCH_CODEC``), the queue's offer (counting, coalescing; no shedding: the queue is
-drained after every frame), the Engine with the service's hooks (policy, predictor, SHARDS,
-prediction log), and the history writer's fan-out and DuckDB append. CPU time
+core: decode (``BATCH_CODEC``), the queue's offer (range checks, counting, coalescing; no
+shedding: the queue is drained after every frame), the Engine with the service's hooks (policy,
+predictor, SHARDS, prediction log), and the history writer's fan-out and DuckDB append. CPU time
 (``time.process_time``, which includes DuckDB's own threads), with the daemon's GC settings.
 With the history in its own process (``history_writer``, the default) the daemon's part is the
 hand-over of each frame; the fan-out and the append are the history process's, on its own
