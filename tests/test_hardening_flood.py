@@ -1,7 +1,8 @@
 """Issue #32, point 3: requests that never finish expire after the request timeout even while
 others run; a flood of unfinished requests keeps the Engine's state (and so what a snapshot
 or a decision walks) bounded. Engine units on a fake clock, then a real daemon, then the
-benchmark command's smoke run (figures printed, no threshold here)."""
+benchmark command's smoke run (figures printed, no threshold here). Last, a sender whose clock
+never advances keeps the policy's time windows bounded."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import zmq
 
 from experiments.flood_bench import flood_events
 from policyd.core.engine import Engine
-from policyd.core.types import BATCH_CODEC, EventBatch, RequestFinished
+from policyd.core.types import BATCH_CODEC, EventBatch, RequestFinished, RequestStarted
 from policyd.daemon import views
 from policyd.daemon.server import start_daemon
 from policyd.policies import make_policy
+from policyd.policies.efficientagent import WorkingSet
+from policyd.policies.pacing import WorkflowPacing
 from tests.test_daemon import settings_for, wait_for
 from tests.test_engine import FakeClock, started
 
@@ -111,3 +114,46 @@ def test_the_flood_benchmark_prints_idle_and_flood_side_by_side() -> None:
     text = out.stdout
     assert "idle" in text and "flood" in text and "p99 flood / idle:" in text
     assert "requests expired" in text
+
+
+def test_a_clock_that_never_advances_keeps_the_policy_windows_bounded() -> None:
+    """A sender whose every event carries one time (ts 0, as the ingest bench's do) never lets
+    anything leave agentkv's time windows: the reference rate's window holds one entry per
+    distinct time and the working set at most ``max_workflows`` workflows, the least recently
+    seen going first - what a real clock would have expired, and no more, goes."""
+    pacing = WorkflowPacing(window_s=60.0, max_entries=64)
+    working = WorkingSet(window_s=60.0, max_workflows=100)
+    for i in range(5000):
+        event = RequestStarted(ts=0.0, request_id=f"r{i}", workflow_id=f"w{i}", agent="a",
+                               block_hashes=(i, i + 1), prompt_tokens=32)  # fmt: skip
+        pacing.observe(event)
+        working.observe(event)
+    assert len(pacing._refs) == 1
+    assert pacing.reference_rate_blocks_per_s() == 5000 * 2 / 60.0  # nothing lost
+    assert working.active_workflows(0.0) == 100
+    assert list(working._workflow_seen_ts) == [f"w{i}" for i in range(4900, 5000)]
+    # distinct times that never leave the window: the oldest entries go past the bound
+    for i in range(1, 201):
+        pacing.observe(RequestStarted(ts=i * 1e-6, request_id=f"t{i}", workflow_id="w",
+                                      agent="a", block_hashes=(i,), prompt_tokens=16))  # fmt: skip
+    assert len(pacing._refs) == 64
+    assert pacing.reference_rate_blocks_per_s() == 64 / 60.0
+
+
+def test_the_window_entries_merged_by_time_give_the_same_rate() -> None:
+    """Requests at one time merged into one entry: the reference rate at every step is what a
+    window of one entry per request gives."""
+    pacing = WorkflowPacing(window_s=5.0)
+    kept: list[tuple[float, int]] = []
+    for i in range(400):
+        ts = float(i // 7)  # seven requests a second, at whole seconds
+        blocks = 1 + i % 5
+        pacing.observe(RequestStarted(ts=ts, request_id=f"r{i}", workflow_id=f"w{i % 9}",
+                                      agent="a", block_hashes=tuple(range(blocks)),
+                                      prompt_tokens=16 * blocks))  # fmt: skip
+        kept.append((ts, blocks))
+        if i % 13 == 0:
+            horizon = ts - 5.0
+            expected = sum(b for t, b in kept if t >= horizon) / 5.0
+            assert pacing.reference_rate_blocks_per_s() == expected
+    assert len({t for t, _ in pacing._refs}) == len(pacing._refs) < 400 // 7  # one per time

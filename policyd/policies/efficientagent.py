@@ -47,6 +47,7 @@ from policyd.models.shards import Shards
 
 WorkingSetSource = Literal["shards", "closed-form"]
 KV_BYTES_PER_BLOCK_DEFAULT = 131_072 * BLOCK_SIZE_TOKENS  # Llama-3.1-8B bf16 (profiles.py)
+MAX_SEEN_WORKFLOWS = 1 << 16  # workflows in the window past which the least recently seen go
 
 
 def declined_refill(
@@ -68,7 +69,9 @@ class WorkingSet:
     * a SHARDS MRC estimate (``shards``) fed by every request's prompt blocks;
     * the host tier's capacity (``configure``) and the time of its last capacity eviction;
     * the workflows active within ``window_s`` and the mean prompt of the last 256 requests
-      (the paper's closed form).
+      (the paper's closed form). At most ``max_workflows`` are kept, the least recently seen
+      going first past it: a sender whose clock never leaves the window (every event at one
+      time) cannot grow the set without bound.
     """
 
     def __init__(
@@ -80,9 +83,13 @@ class WorkingSet:
         shards_rate: float = 0.1,
         seed: int = 0,
         kv_bytes_per_block: int = KV_BYTES_PER_BLOCK_DEFAULT,
+        max_workflows: int = MAX_SEEN_WORKFLOWS,
     ) -> None:
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0, got {window_s}")
+        if max_workflows < 1:
+            raise ValueError(f"max_workflows must be >= 1, got {max_workflows}")
+        self.max_workflows = max_workflows
         if not 0.0 < coverage <= 1.0:
             raise ValueError(f"coverage must be in (0, 1], got {coverage}")
         self.window_s = window_s
@@ -111,7 +118,11 @@ class WorkingSet:
             assert isinstance(event, RequestStarted)
             self.shards.learn_prompt(event.block_hashes, event.prompt_tokens)
             self._recent_prompts.append(event.prompt_tokens)
-            self._workflow_seen_ts[event.workflow_id] = event.ts
+            seen = self._workflow_seen_ts
+            seen.pop(event.workflow_id, None)  # (kept in the order they were last seen)
+            seen[event.workflow_id] = event.ts
+            if len(seen) > self.max_workflows:  # a clock that never leaves the window
+                del seen[next(iter(seen))]
         elif kind is BlocksRemoved:
             assert isinstance(event, BlocksRemoved)
             if event.tier == "host" and event.block_hashes:

@@ -14,15 +14,24 @@ from policyd.core.types import Event, RequestStarted, WorkflowFinished
 
 INTERVAL_SMOOTHING = 0.5  # a workflow's time between calls: weight of the newest gap
 POOL_SMOOTHING = 0.02  # the pool's mean time between a workflow's calls: weight of each gap
+MAX_WINDOW_ENTRIES = 1 << 18  # the window's entries past which the oldest go, whatever the clock
 
 
 class WorkflowPacing:
     """Per live workflow its smoothed time between calls, the pool's mean, and the prompt
     blocks referenced within the last ``window_s`` seconds. ``now_ts`` is the latest event's
-    time: the clock of decisions taken between snapshots."""
+    time: the clock of decisions taken between snapshots.
 
-    def __init__(self, *, window_s: float) -> None:
+    The window keeps an entry per distinct request time (requests at the time of the entry
+    before are added to it), at most ``max_entries`` of them: a sender whose clock does not
+    advance costs one entry, not one per request, and a clock that never leaves the window
+    cannot grow it without bound (past the bound the oldest entries leave it early)."""
+
+    def __init__(self, *, window_s: float, max_entries: int = MAX_WINDOW_ENTRIES) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.window_s = window_s
+        self.max_entries = max_entries
         self.now_ts = 0.0
         self._refs: deque[tuple[float, int]] = deque()  # (ts, prompt blocks) in the window
         self._refs_in_window = 0
@@ -46,8 +55,15 @@ class WorkflowPacing:
                 self._mean_interval_s = (
                     POOL_SMOOTHING * gap + (1 - POOL_SMOOTHING) * self._mean_interval_s
                 )
-            self._refs.append((event.ts, len(event.block_hashes)))
-            self._refs_in_window += len(event.block_hashes)
+            blocks = len(event.block_hashes)
+            refs = self._refs
+            if refs and refs[-1][0] == event.ts:
+                refs[-1] = (event.ts, refs[-1][1] + blocks)
+            else:
+                refs.append((event.ts, blocks))
+                if len(refs) > self.max_entries:
+                    self._refs_in_window -= refs.popleft()[1]
+            self._refs_in_window += blocks
         elif kind is WorkflowFinished:
             assert isinstance(event, WorkflowFinished)
             self._last_call_ts.pop(event.workflow_id, None)
