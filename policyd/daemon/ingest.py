@@ -161,10 +161,7 @@ def coalesce(batch: EventBatch) -> EventBatch:
     run: list[Event] = []
     key: tuple[object, ...] | None = None
     for event in events:
-        kind = type(event)
-        k = None
-        if kind in BLOCK_LEVEL:
-            k = (kind, getattr(event, "tier", None), getattr(event, "request_id", None))
+        k = _run_key(event) if type(event) in BLOCK_LEVEL else None
         if k is not None and k == key:
             run.append(event)
             continue
@@ -179,19 +176,19 @@ def coalesce(batch: EventBatch) -> EventBatch:
     return EventBatch(source=batch.source, seq=batch.seq, events=tuple(out))
 
 
+def _run_key(event: object) -> tuple[object, ...]:
+    """What consecutive block-level events share to be one run (``coalesce``)."""
+    return (type(event), getattr(event, "tier", None), getattr(event, "request_id", None))
+
+
 def _has_run(events: tuple[Event, ...]) -> bool:
     """Whether two consecutive events would merge (``coalesce``'s common case is none: then
-    it returns the batch without building a key per event)."""
+    it returns the batch, building a key only for neighbours of one kind)."""
     previous: Event | None = None
     previous_kind: type | None = None
     for event in events:
         kind = type(event)
-        if (
-            kind is previous_kind
-            and kind in BLOCK_LEVEL
-            and getattr(event, "tier", None) == getattr(previous, "tier", None)
-            and getattr(event, "request_id", None) == getattr(previous, "request_id", None)
-        ):
+        if kind is previous_kind and kind in BLOCK_LEVEL and _run_key(event) == _run_key(previous):
             return True
         previous, previous_kind = event, kind
     return False
