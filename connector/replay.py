@@ -22,7 +22,9 @@ rounds the daemon publishes a snapshot once it has taken in every event of the r
 next round's first request is looked up: the decisions are a function of the requests, not of
 thread timing. ``--record PATH`` writes every request (prompt, generated tokens, the GPU and host
 hit the connector traced at allocation) and every snapshot with the request it preceded, for
-``policyd engine-check PATH`` (main venv) to replay through the simulator.
+``policyd engine-check PATH`` (main venv) to replay through the simulator. A recorded run is
+deterministic: the same requests give the same hits, request by request (``DETERMINISTIC_ENV``
+says what it takes), so two runs' hits differ only by what their policies did.
 """
 
 from __future__ import annotations
@@ -741,6 +743,32 @@ def record(runs: Sequence[Run], args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+# What makes a recorded run a function of the requests (``--record``):
+DETERMINISTIC_ENV: Final = {
+    # the engine core in this process: a round's requests all reach the scheduler before its
+    # first step (vLLM's default, a core process of its own, takes them in as they arrive)
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    # vLLM appends 8 random characters to every request id, and its offloading scheduler tells
+    # the host tier's policy of the requests that finished in one scheduler step in the
+    # iteration order of a set of those ids; that order is the host tier's LRU order among
+    # them, so random ids (or a random string hash) changed later host hits from run to run
+    "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1",
+    "PYTHONHASHSEED": "0",
+}
+
+
+def _make_deterministic(argv: list[str]) -> None:
+    """Set ``DETERMINISTIC_ENV`` (a value the caller gave is kept); the string hash's seed is
+    read when Python starts, so without a fixed one this process starts again with it."""
+    for name, value in DETERMINISTIC_ENV.items():
+        if name != "PYTHONHASHSEED":
+            os.environ.setdefault(name, value)
+    if os.environ.get("PYTHONHASHSEED", "random") == "random":
+        env = {**os.environ, "PYTHONHASHSEED": DETERMINISTIC_ENV["PYTHONHASHSEED"]}
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "connector.replay", *argv], env)
+
+
 TRACED: Final = ("block_hashes", "gpu_tokens", "host_tokens", "view_version", "may_store")
 TIERS: Final = ("gpu_free_order", "gpu_held", "host")
 
@@ -796,10 +824,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--repeat is for in-process timing runs (not with --record or --server)")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the table, not vLLM's start-up log
     if args.record:
-        # the engine core in this process: a round's requests all reach the scheduler before
-        # its first step, so a recorded run is a function of the requests (vLLM's default, a
-        # core process of its own, takes them in as they arrive over IPC)
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        _make_deterministic(list(argv) if argv is not None else sys.argv[1:])
 
     if args.table:
         records = [rec for path in args.table for rec in json.loads(path.read_text())]
