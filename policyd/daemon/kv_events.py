@@ -47,7 +47,6 @@ from policyd.core.types import (
 )
 
 log = logging.getLogger(__name__)
-_RATELOG = RateLimitedLog(log)  # a stream of bad batches writes a line per 10 s, with a count
 
 U64_MASK: Final = (1 << 64) - 1
 MEDIUM_TIERS: Final[dict[str | None, Tier]] = {None: "gpu", "GPU": "gpu", "CPU": "host"}
@@ -174,6 +173,7 @@ class KvEventSubscriber:
         )
         self._last_seq: int | None = None
         self._out_seq = 0
+        self._ratelog = RateLimitedLog(log)  # bad batches: a line per 10 s, with a count
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vllm-kv-events", daemon=True)
         self.running = False
@@ -233,7 +233,7 @@ class KvEventSubscriber:
             tr = translate_payload(payload, self.clock())
         except KvEventError as exc:
             self.counters["malformed"] += 1
-            _RATELOG.warning(
+            self._ratelog.warning(
                 "kv-event", "vLLM KV event batch %d rejected (%d so far): %s",
                 seq, self.counters["malformed"], quote(str(exc)),
             )  # fmt: skip
