@@ -12,7 +12,9 @@ Here each run is replayed twice:
   capacities and block size, and the *same snapshots* adopted before the same requests: what
   the simulator credits for the decisions the connector applied. Per request the GPU and host
   hits must equal the engine's; the first request that differs is named, with both tiers'
-  contents when the record carries them (``agentkv_trace_tiers``);
+  contents when the record carries them (``agentkv_trace_tiers``), and so is the first
+  request after whose allocation the tiers' contents differ (where a difference began: a
+  hit often differs only many requests later);
 * **predicted** - one stream per workflow at the run's concurrency, the policy deciding live in
   the simulator (its own snapshots, every ``snapshot_interval_s`` of simulated time): the
   simulator's prediction for the run, in hit and recomputed tokens beside the engine's.
@@ -122,6 +124,12 @@ class RunCheck:
     mismatches: int
     first_mismatch: str = ""
     details: list[str] = field(default_factory=list)
+    # the first request after whose allocation the tiers' contents differ (records with
+    # tier contents only): often well before the first hit that differs
+    first_divergence: str = ""
+    divergence_details: list[str] = field(default_factory=list)
+    first_mismatch_at: int = -1
+    first_divergence_at: int = -1
 
     @property
     def engine_hit_tokens(self) -> int:
@@ -182,13 +190,32 @@ def check_run(run: dict[str, Any], caps: Capacities) -> RunCheck:
         out.mismatches += 1
         if out.first_mismatch:
             continue
-        out.first_mismatch = (
-            f"request {i} (round {req['round']}, {req['workflow_id']}/{req['agent']}, "
-            f"{len(req['block_hashes'])} prompt blocks): engine GPU/host hit {engine}, "
-            f"simulator {ours}"
-        )
+        out.first_mismatch_at = i
+        out.first_mismatch = f"{_describe(i, req)}: engine GPU/host hit {engine}, simulator {ours}"
         out.details = _tier_diff(req, tier_log[i] if i < len(tier_log) else None)
+    for i, (req, sim_tiers) in enumerate(zip(requests, tier_log, strict=False)):
+        if "gpu_free_order" in req and _tiers_differ(req, sim_tiers):
+            out.first_divergence_at = i
+            out.first_divergence = _describe(i, req)
+            out.divergence_details = _tier_diff(req, sim_tiers)
+            break
     return out
+
+
+def _describe(i: int, req: dict[str, Any]) -> str:
+    return (
+        f"request {i} (round {req['round']}, {req['workflow_id']}/{req['agent']}, "
+        f"{len(req['block_hashes'])} prompt blocks)"
+    )
+
+
+def _tiers_differ(req: dict[str, Any], sim_tiers: dict[str, list[int]]) -> bool:
+    """Whether the blocks either tier holds, or the GPU free queue's order, differ."""
+    return (
+        req["gpu_free_order"] != sim_tiers["gpu_free_order"]
+        or set(req["gpu_held"]) != set(sim_tiers["gpu_held"])
+        or set(req.get("host", [])) != set(sim_tiers["host"])
+    )
 
 
 def _tier_diff(req: dict[str, Any], sim_tiers: dict[str, list[int]] | None) -> list[str]:
@@ -257,6 +284,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             verdict = "FAIL" if bad else "within tolerance"
             print(f"\n{c.name} ({verdict}): first difference at {c.first_mismatch}")
             for line in c.details:
+                print(f"  {line}")
+        if c.first_divergence and c.first_divergence_at != c.first_mismatch_at:
+            print(f"\n{c.name}: the tiers first differ after {c.first_divergence}")
+            for line in c.divergence_details:
                 print(f"  {line}")
     if args.json:
         args.json.write_text(json.dumps([c.__dict__ for c in checks], indent=2))

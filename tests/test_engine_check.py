@@ -1,0 +1,82 @@
+"""``policyd engine-check`` on records written here: the engine's side of each request is the
+simulator's own (its hits and both tiers after each allocation), so the replay must agree with
+it exactly, and a change made to one request's record must be reported at that request."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from policyd.policies import make_policy
+from policyd.sim.engine_check import Capacities, check_run, rounds_workload
+from policyd.sim.replay import Simulator
+
+CAPS = Capacities(
+    block_tokens=16, gpu_blocks=12, host_blocks=8, concurrency=2,
+    max_pinned_blocks=0, max_ranked_blocks=12, step_ops=12,
+)  # fmt: skip
+
+
+def requests() -> list[dict[str, Any]]:
+    """Two workflows, two at a time, over four rounds: each call re-sends its workflow's
+    transcript (a shared system prompt, then its own blocks) and adds two blocks."""
+    out = []
+    for rnd in range(4):
+        for w in range(2):
+            blocks = [1, 2] + [100 * (w + 1) + k for k in range(2 * rnd + 2)]
+            out.append({
+                "round": rnd, "workflow_id": f"w{w}", "agent": "a", "workflow_type": "t",
+                "prompt": [0] * (16 * len(blocks) + 3), "generated": [0] * 4,
+                "block_hashes": blocks, "full_block_hashes": blocks,
+            })  # fmt: skip
+    return out
+
+
+@pytest.fixture
+def run() -> dict[str, Any]:
+    """A record whose engine side is the simulator's own replay of it."""
+    reqs = requests()
+    tiers: list[dict[str, list[int]]] = []
+    sim = Simulator(
+        rounds_workload(reqs, CAPS.block_tokens), make_policy("lru"), CAPS.config(1), script={}
+    )
+    sim.tier_log = tiers
+    report = sim.run()
+    for req, rec, seen in zip(reqs, report.records, tiers, strict=True):
+        req["gpu_tokens"] = rec.gpu_hit_blocks * CAPS.block_tokens
+        req["host_tokens"] = rec.host_hit_blocks * CAPS.block_tokens
+        req.update(seen)
+    assert report.host_hit_blocks > 0 and report.gpu_hit_blocks > 0  # both tiers matter here
+    return {"name": "vllm-default", "policy": None, "requests": reqs, "script": {}}
+
+
+def test_a_record_of_the_simulators_own_replay_agrees_request_by_request(
+    run: dict[str, Any],
+) -> None:
+    check = check_run(run, CAPS)
+    assert check.mismatches == 0 and check.first_mismatch == ""
+    assert check.first_divergence == "" and check.total_gap() == 0.0
+
+
+def test_tiers_that_differ_are_reported_at_the_first_request_where_they_do(
+    run: dict[str, Any],
+) -> None:
+    changed = copy.deepcopy(run)
+    at = next(i for i, r in enumerate(changed["requests"]) if r["host"])
+    dropped = changed["requests"][at]["host"].pop()
+    check = check_run(changed, CAPS)
+    assert check.mismatches == 0  # every hit still agrees
+    assert check.first_divergence_at == at
+    assert f"request {at} (round" in check.first_divergence
+    assert any(f"only in the simulator [{dropped}]" in line for line in check.divergence_details)
+
+
+def test_a_hit_that_differs_is_reported_at_its_request(run: dict[str, Any]) -> None:
+    changed = copy.deepcopy(run)
+    last = len(changed["requests"]) - 1
+    changed["requests"][last]["gpu_tokens"] += CAPS.block_tokens
+    check = check_run(changed, CAPS)
+    assert check.mismatches == 1 and check.first_mismatch_at == last
+    assert check.first_divergence == ""  # the tiers themselves agree
