@@ -5,10 +5,14 @@ it exactly, and a change made to one request's record must be reported at that r
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from policyd.cli import main as cli_main
 from policyd.policies import make_policy
 from policyd.sim.engine_check import Capacities, check_run, rounds_workload
 from policyd.sim.replay import Simulator
@@ -80,3 +84,33 @@ def test_a_hit_that_differs_is_reported_at_its_request(run: dict[str, Any]) -> N
     check = check_run(changed, CAPS)
     assert check.mismatches == 1 and check.first_mismatch_at == last
     assert check.first_divergence == ""  # the tiers themselves agree
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (None, "No such file"),
+        ("not json", "not JSON"),
+        ("{}", "no list of runs"),
+        ('{"runs": []}', "missing block_tokens"),
+        (
+            json.dumps(
+                {
+                    "runs": [{"name": "x", "requests": [{"round": 0}], "script": {}}],
+                    **dataclasses.asdict(CAPS),
+                }
+            ),
+            "run 0, request 0 lacks one of",
+        ),
+    ],
+)
+def test_a_file_that_is_not_a_record_gets_one_line_of_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | None, said: str
+) -> None:
+    path = tmp_path / "record.json"
+    if content is not None:
+        path.write_text(content)
+    assert cli_main(["engine-check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("policyd engine-check: error: ") and said in err
+    assert "Traceback" not in err and err.count("\n") == 1

@@ -198,7 +198,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in OWN_PARSERS:  # its own parser: flags pass through unparsed here
         module = importlib.import_module(OWN_PARSERS[argv[0]][0])
-        return int(module.main(argv[1:]) or 0)
+        try:
+            return int(module.main(argv[1:]) or 0)
+        except (ValueError, OSError) as exc:  # bad input: a line, not a traceback
+            print(f"policyd {argv[0]}: error: {exc}", file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
     commands = {
         "bench": _bench,

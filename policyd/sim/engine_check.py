@@ -149,6 +149,40 @@ class RunCheck:
         return abs(self.applied_hit_tokens - self.engine_hit_tokens) / base
 
 
+RUN_KEYS = ("name", "requests", "script")
+REQUEST_KEYS = ("round", "workflow_id", "agent", "prompt", "block_hashes")
+REQUEST_HITS = ("gpu_tokens", "host_tokens")
+
+
+def read_record(path: Path) -> tuple[dict[str, Any], Capacities]:
+    """The record ``connector.replay --record`` wrote at ``path``, and its capacities;
+    ``ValueError`` naming what is missing when it is not one (``OSError`` when unreadable)."""
+    try:
+        rec = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    what = f"{path}: not a record of connector.replay --record"
+    if not isinstance(rec, dict) or not isinstance(rec.get("runs"), list):
+        raise ValueError(f"{what} (no list of runs)")
+    missing = [k for k in Capacities.__dataclass_fields__ if k not in rec]
+    if missing:
+        raise ValueError(f"{what} (missing {', '.join(missing)})")
+    try:
+        caps = Capacities.of(rec)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{what} (capacities: {exc})") from None
+    for n, run in enumerate(rec["runs"]):
+        if not isinstance(run, dict) or any(k not in run for k in RUN_KEYS):
+            raise ValueError(f"{what} (run {n} lacks one of {', '.join(RUN_KEYS)})")
+        for i, req in enumerate(run["requests"]):
+            if not isinstance(req, dict) or any(
+                k not in req for k in (*REQUEST_KEYS, *REQUEST_HITS)
+            ):
+                keys = ", ".join((*REQUEST_KEYS, *REQUEST_HITS))
+                raise ValueError(f"{what} (run {n}, request {i} lacks one of {keys})")
+    return rec, caps
+
+
 def _snapshots(script: dict[str, Any]) -> dict[int, PolicySnapshot]:
     return {int(k): msgspec.convert(v, PolicySnapshot) for k, v in script.items()}
 
@@ -268,8 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tolerance", type=float, default=0.02, help="on total hit tokens")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args(argv)
-    rec = json.loads(args.record.read_text())
-    caps = Capacities.of(rec)
+    rec, caps = read_record(args.record)
     checks = [check_run(run, caps) for run in rec["runs"]]
     print(
         f"simulator vs vLLM engine: {caps.gpu_blocks} GPU blocks, {caps.host_blocks} host "
