@@ -1,6 +1,7 @@
 """Real traces as token prompts for the real engine's tiny model (``connector.replay --prompts``).
 
     policyd engine-prompts --swe PATH --whowhen PATH --out prompts.json
+    policyd engine-prompts --workload financial --param workflows=24 --out prompts.json
 
 The engine replays need token ids, not block hashes, and the tiny test model reads a context of
 a few thousand tokens with a 1,000-word vocabulary. Each 16-token block of a trace call (its
@@ -10,6 +11,9 @@ the engine's own 32-token blocks share exactly what the trace's pairs of blocks 
 model: every 16 trace tokens become ``tokens_per_block`` engine tokens). A prompt longer than
 ``max_tokens`` keeps its first ``max_tokens`` (the model's context). Workflows are taken in turn
 from each trace (SWE-bench trajectories, Who&When chats) until ``requests`` calls are reached.
+``--workload`` takes a generated workload instead (or beside them; its ``--param``s and
+``--seed`` as ``policyd bench`` takes them), so a point where the simulator credits a policy a
+gain can be replayed on the engine.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from policyd.traces import load_trace
+from policyd.workloads import make_workload
 from policyd.workloads.calls import Call, Workload
 
 VOCAB_LOW = 3  # the tiny model's first three ids are special tokens
@@ -78,6 +83,16 @@ def interleave(sources: Sequence[list[dict[str, Any]]], requests: int) -> list[d
     return out
 
 
+def _params(ap: argparse.ArgumentParser, given: Sequence[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in given:
+        key, _, value = item.partition("=")
+        if not key or not value.lstrip("-").isdigit():
+            ap.error(f"--param {item!r}: give KEY=INT")
+        out[key] = int(value)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="policyd engine-prompts",
@@ -86,6 +101,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--swe", type=Path, help="mini-swe-agent trajectories (folder or .tar.gz)")
     ap.add_argument("--whowhen", type=Path, help="Who&When group chats (folder)")
+    ap.add_argument("--workload", help="a generated workload's name (policyd.workloads)")
+    ap.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=INT",
+        help="a parameter of --workload's generator (repeatable), e.g. workflows=24",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="--workload's seed")
     ap.add_argument("--requests", type=int, default=500, help="at least this many calls")
     ap.add_argument("--tokens-per-block", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=3968, help="a prompt's context")
@@ -99,8 +123,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             sources.append(
                 list(workflows(wl, name, args.tokens_per_block, args.max_tokens, args.vocab))
             )
+    if args.workload is not None:
+        try:
+            wl = make_workload(args.workload, seed=args.seed, **_params(ap, args.param))
+        except TypeError as exc:  # a parameter its generator does not take
+            ap.error(f"--param: {exc}")
+        sources.append(
+            list(workflows(wl, args.workload, args.tokens_per_block, args.max_tokens, args.vocab))
+        )
     if not sources:
-        ap.error("give --swe and/or --whowhen")
+        ap.error("give --swe, --whowhen or --workload")
     chosen = interleave(sources, args.requests)
     n_calls = sum(len(w["calls"]) for w in chosen)
     args.out.write_text(json.dumps({"workflows": chosen}))
