@@ -4,6 +4,7 @@ calls share a prefix of tokens exactly as long as the prefix of blocks they shar
 from __future__ import annotations
 
 import json
+from itertools import takewhile
 from pathlib import Path
 
 import pytest
@@ -13,12 +14,8 @@ from policyd.workloads import make_workload
 
 
 def _shared(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    """The length of the prefix ``a`` and ``b`` share."""
+    return sum(1 for _ in takewhile(lambda pair: pair[0] == pair[1], zip(a, b, strict=False)))
 
 
 def test_a_generated_workload_becomes_prompts_that_share_what_its_blocks_share(
