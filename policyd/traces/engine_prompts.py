@@ -11,9 +11,9 @@ the engine's own 32-token blocks share exactly what the trace's pairs of blocks 
 model: every 16 trace tokens become ``tokens_per_block`` engine tokens). A prompt longer than
 ``max_tokens`` keeps its first ``max_tokens`` (the model's context). Workflows are taken in turn
 from each trace (SWE-bench trajectories, Who&When chats) until ``requests`` calls are reached.
-``--workload`` takes a generated workload instead (or beside them; its ``--param``s and
-``--seed`` as ``policyd bench`` takes them), so a point where the simulator credits a policy a
-gain can be replayed on the engine.
+``--workload`` takes a generated workload instead (or beside them; ``--param KEY=INT`` passes
+its generator's integer parameters, ``--seed`` its seed), so a point where the simulator
+credits a policy a gain can be replayed on the engine.
 """
 
 from __future__ import annotations
