@@ -7,12 +7,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from policyd.cli import main as cli_main
+from policyd.core.engine import Engine
+from policyd.core.types import EventBatch, PolicySnapshot, WorkflowFinished
 from policyd.policies import make_policy
 from policyd.sim.engine_check import Capacities, check_run, rounds_workload
 from policyd.sim.replay import Simulator
@@ -114,3 +117,48 @@ def test_a_file_that_is_not_a_record_gets_one_line_of_error(
     err = capsys.readouterr().err
     assert err.startswith("policyd engine-check: error: ") and said in err
     assert "Traceback" not in err and err.count("\n") == 1
+
+
+class RecordingEngine:
+    """The in-process engine, keeping the workflows the simulator reported finished, in order."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.inner = Engine(make_policy("lru"), clock=clock)
+        self.finished: list[str] = []
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state
+
+    def apply(self, batch: EventBatch) -> object:
+        self.finished += [e.workflow_id for e in batch.events if isinstance(e, WorkflowFinished)]
+        return self.inner.apply(batch)
+
+    def snapshot(self) -> PolicySnapshot:
+        return self.inner.snapshot()
+
+    def prefetch(self, budget_blocks: int) -> list[int]:
+        return self.inner.prefetch(budget_blocks)
+
+
+@pytest.mark.parametrize("at_last_call", [False, True])
+def test_on_an_engines_rounds_a_workflow_ends_with_its_call_sent_workflow_done(
+    at_last_call: bool,
+) -> None:
+    """One stream holds both workflows' calls (the rounds): by default a workflow ends with the
+    stream; with ``workflow_ends_at_last_call`` each ends when its call marked ``last`` does."""
+    reqs = requests()
+    for req in reqs:  # each workflow's call in the last round is its last
+        req["workflow_done"] = req["round"] == 3
+    engines: list[RecordingEngine] = []
+
+    def make(clock: Callable[[], float]) -> RecordingEngine:
+        engines.append(RecordingEngine(clock))
+        return engines[-1]
+
+    sim = Simulator(
+        rounds_workload(reqs, CAPS.block_tokens), make_policy("lru"), CAPS.config(1), engine=make
+    )
+    sim.workflow_ends_at_last_call = at_last_call
+    sim.run()
+    assert engines[0].finished == (["w0", "w1"] if at_last_call else ["w1"])

@@ -17,7 +17,10 @@ Here each run is replayed twice:
   hit often differs only many requests later);
 * **predicted** - one stream per workflow at the run's concurrency, the policy deciding live in
   the simulator (its own snapshots, every ``snapshot_interval_s`` of simulated time): the
-  simulator's prediction for the run, in hit and recomputed tokens beside the engine's.
+  simulator's prediction for the run, in hit and recomputed tokens beside the engine's;
+* **decided on the rounds** - the engine's rounds as in *applied*, the policy deciding live
+  (each workflow ending with its call sent ``workflow_done``): beside *applied*, how the
+  simulator's own decisions and the daemon's differ on the same calls in the same order.
 
 Exit status 1 when an applied replay differs from the engine (beyond ``--tolerance`` in total
 hit tokens; per request, exactly, when ``--exact``).
@@ -121,6 +124,8 @@ class RunCheck:
     applied_host_tokens: int
     predicted_gpu_tokens: int
     predicted_host_tokens: int
+    rounds_gpu_tokens: int
+    rounds_host_tokens: int
     mismatches: int
     first_mismatch: str = ""
     details: list[str] = field(default_factory=list)
@@ -142,6 +147,10 @@ class RunCheck:
     @property
     def predicted_hit_tokens(self) -> int:
         return self.predicted_gpu_tokens + self.predicted_host_tokens
+
+    @property
+    def rounds_hit_tokens(self) -> int:
+        return self.rounds_gpu_tokens + self.rounds_host_tokens
 
     def total_gap(self) -> float:
         """Applied vs engine hit tokens, relative to the engine's."""
@@ -203,6 +212,9 @@ def check_run(run: dict[str, Any], caps: Capacities) -> RunCheck:
     predicted = Simulator(
         workflows_workload(requests, bt), make_policy(policy), caps.config(caps.concurrency)
     ).run()
+    on_rounds = Simulator(rounds_workload(requests, bt), make_policy(policy), caps.config(1))
+    on_rounds.workflow_ends_at_last_call = True
+    decided = on_rounds.run()
     out = RunCheck(
         name=run["name"],
         policy=run.get("policy"),
@@ -214,6 +226,8 @@ def check_run(run: dict[str, Any], caps: Capacities) -> RunCheck:
         applied_host_tokens=applied.host_hit_blocks * bt,
         predicted_gpu_tokens=predicted.gpu_hit_blocks * bt,
         predicted_host_tokens=predicted.host_hit_blocks * bt,
+        rounds_gpu_tokens=decided.gpu_hit_blocks * bt,
+        rounds_host_tokens=decided.host_hit_blocks * bt,
         mismatches=0,
     )
     for i, (req, rec) in enumerate(zip(requests, applied.records, strict=True)):
@@ -278,15 +292,17 @@ def _tier_diff(req: dict[str, Any], sim_tiers: dict[str, list[int]] | None) -> l
 def table(checks: Sequence[RunCheck]) -> str:
     lines = [
         "| run | requests | prompt tokens | engine hit (GPU + host) | simulator, same decisions "
-        "| simulator, its own decisions | requests that differ |",
-        "|---|---|---|---|---|---|---|",
+        "| simulator, its own decisions | its own decisions on these rounds "
+        "| requests that differ |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for c in checks:
         lines.append(
             f"| {c.name} | {c.requests} | {c.prompt_tokens} | {c.engine_hit_tokens} "
             f"({c.engine_gpu_tokens} + {c.engine_host_tokens}) | {c.applied_hit_tokens} "
             f"({c.applied_gpu_tokens} + {c.applied_host_tokens}) | {c.predicted_hit_tokens} "
-            f"({c.predicted_gpu_tokens} + {c.predicted_host_tokens}) | {c.mismatches} |"
+            f"({c.predicted_gpu_tokens} + {c.predicted_host_tokens}) | {c.rounds_hit_tokens} "
+            f"({c.rounds_gpu_tokens} + {c.rounds_host_tokens}) | {c.mismatches} |"
         )
     return "\n".join(lines)
 

@@ -84,7 +84,10 @@ class Simulator:
     ``Engine`` running ``policy``). ``script``: snapshots adopted by admission count instead of
     the policy's own (``RequestScheduler``). ``tier_log`` and ``audit`` may be set before
     ``run``: a list collecting both tiers' blocks after each allocation, and a
-    ``DeclineAudit`` (made from ``audit_declines`` by default)."""
+    ``DeclineAudit`` (made from ``audit_declines`` by default). A workflow ends with its
+    stream; with ``workflow_ends_at_last_call`` set, also when a call marked ``last`` finishes
+    (a stream holding several workflows' calls, as ``engine_check`` replays an engine's
+    rounds), as the connector reports a request sent with ``workflow_done``."""
 
     def __init__(
         self,
@@ -178,6 +181,7 @@ class Simulator:
             offline_admission=offline_admission,
         )
         self.audit = DeclineAudit(host_blocks) if config.audit_declines else None
+        self.workflow_ends_at_last_call = False
         self._latencies: list[float] = []
         self._last_finish_s = 0.0
 
@@ -244,7 +248,8 @@ class Simulator:
                 done += 1
                 if progress is not None and done % 256 == 0:
                     progress(256)
-                if self.streams.call_finished(req):
+                stream_ended = self.streams.call_finished(req)
+                if stream_ended or (self.workflow_ends_at_last_call and req.call.last):
                     self.outbox.add(
                         WorkflowFinished(ts=timeline.now, workflow_id=req.call.workflow_id)
                     )
