@@ -159,8 +159,15 @@ class RunCheck:
 
 
 RUN_KEYS = ("name", "requests", "script")
-REQUEST_KEYS = ("round", "workflow_id", "agent", "prompt", "block_hashes")
-REQUEST_HITS = ("gpu_tokens", "host_tokens")
+REQUEST_KEYS = (
+    "round",
+    "workflow_id",
+    "agent",
+    "prompt",
+    "block_hashes",
+    "gpu_tokens",
+    "host_tokens",
+)
 
 
 def read_record(path: Path) -> tuple[dict[str, Any], Capacities]:
@@ -184,10 +191,8 @@ def read_record(path: Path) -> tuple[dict[str, Any], Capacities]:
         if not isinstance(run, dict) or any(k not in run for k in RUN_KEYS):
             raise ValueError(f"{what} (run {n} lacks one of {', '.join(RUN_KEYS)})")
         for i, req in enumerate(run["requests"]):
-            if not isinstance(req, dict) or any(
-                k not in req for k in (*REQUEST_KEYS, *REQUEST_HITS)
-            ):
-                keys = ", ".join((*REQUEST_KEYS, *REQUEST_HITS))
+            if not isinstance(req, dict) or any(k not in req for k in REQUEST_KEYS):
+                keys = ", ".join(REQUEST_KEYS)
                 raise ValueError(f"{what} (run {n}, request {i} lacks one of {keys})")
     return rec, caps
 
