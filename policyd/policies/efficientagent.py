@@ -89,9 +89,9 @@ class WorkingSet:
             raise ValueError(f"window_s must be > 0, got {window_s}")
         if max_workflows < 1:
             raise ValueError(f"max_workflows must be >= 1, got {max_workflows}")
-        self.max_workflows = max_workflows
         if not 0.0 < coverage <= 1.0:
             raise ValueError(f"coverage must be in (0, 1], got {coverage}")
+        self.max_workflows = max_workflows
         self.window_s = window_s
         self.coverage = coverage
         self.kv_bytes_per_block = kv_bytes_per_block
