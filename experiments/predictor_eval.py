@@ -208,6 +208,7 @@ class Result:
     nodes_per_forecast: float
     predict_us: float = 0.0  # mean CPU µs of predict per forecast
     learn_us: float = 0.0  # mean CPU µs of observe_call / observe_finished per event
+    views_per_evaluation: float = 0.0  # evaluations that computed a count-model view anew
     reference_us: list[float] = field(default_factory=list)  # the reference loop, per timing
     ratios: list[float] = field(default_factory=list)  # per chunk: µs per event / reference
 
@@ -290,6 +291,7 @@ def evaluate(
         stats["nodes_per_forecast"],
         predict_ns / forecasts / 1000 if forecasts else 0.0,
         learn_ns / len(cost_ns) / 1000 if cost_ns else 0.0,
+        stats["views_per_evaluation"],
         references,
         ratios,
     )
@@ -358,6 +360,7 @@ def cost_table(results: Sequence[Result]) -> Table:
     out.add_column("workload", no_wrap=True, min_width=16)
     for name in (
         "calls",
+        "views anew",
         "predict µs",
         "learn µs",
         "µs/call mean",
@@ -375,6 +378,7 @@ def cost_table(results: Sequence[Result]) -> Table:
         out.add_row(
             r.name,
             str(len(cost)),
+            f"{r.views_per_evaluation:.0%}",
             f"{r.predict_us:.0f}",
             f"{r.learn_us:.0f}",
             f"{statistics.fmean(cost):.0f}",
@@ -545,6 +549,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cost:
         console.print(cost_table(results))
         console.print(
+            "views anew: the one-step evaluations that computed the count experts' view of "
+            "their position (new, or refreshed after its type learnt): the costliest part; "
             f"µs at min ref: x ref times the quietest reference timing of the run - the cost on "
             f"this machine without the other jobs' interference (target {TARGET_US:.0f} µs); "
             f"the predictor's build: {BUILD} (make bench-predictor compares both)"

@@ -499,6 +499,32 @@ def test_work_per_forecast_is_bounded_by_the_beam() -> None:
     assert predictor.stats()["active"] <= 20
 
 
+def test_views_count_the_count_model_views_computed() -> None:
+    """``views`` counts the evaluations that computed the count experts' view anew (what a
+    call's cost grows with): never more than the evaluations, fewer where views are reused
+    longer (a larger ``refresh``), none for a forecast already served."""
+    events = list(interleave(code_writing(seed=3, workflows=80), 16))
+    counted = {}
+    for refresh in (16, 64):
+        predictor = Predictor(k=3, refresh=refresh)
+        for call, pos, ended in events:
+            if pos:
+                predictor.predict(call.workflow_id)
+                views = predictor.stats()["views"]
+                predictor.predict(call.workflow_id)  # answered from the cache
+                assert predictor.stats()["views"] == views
+            if ended:
+                predictor.observe_finished(call.workflow_id)
+            else:
+                args = (call.workflow_type, call.agent, call.hints, float(pos))
+                predictor.observe_call(call.workflow_id, *args)
+        stats = predictor.stats()
+        assert 0 < stats["views"] < stats["evaluations"]
+        assert stats["views_per_evaluation"] == stats["views"] / stats["evaluations"]
+        counted[refresh] = stats["views"]
+    assert counted[64] < counted[16]
+
+
 def _replay_side_by_side(
     a: Predictor,
     b: Predictor,
@@ -757,12 +783,13 @@ def test_eval_cost_table_reports_a_ratio_to_the_reference_loop(
     argv = ["--workloads", "financial", "--workflows", "30", "--concurrency", "4", "--cost"]
     assert predictor_eval.main(argv) == 0
     out = capsys.readouterr().out
-    assert "Predictor cost per call" in out and "x ref (IQR)" in out
+    assert "Predictor cost per call" in out and "x ref (IQR)" in out and "views anew" in out
     result = evaluate(code_writing(seed=1, workflows=40), Predictor(k=3), concurrency=8)
     assert len(result.cost_us) == result.calls + result.workflows
     assert len(result.ratios) == len(result.cost_us) // predictor_eval.COST_CHUNK
     assert result.ratio() > 0 and result.quiet_us() > 0
     assert result.predict_us > 0 and result.learn_us > 0
+    assert 0 < result.views_per_evaluation < 1
 
 
 def test_eval_runs_predictor_variants_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:

@@ -248,10 +248,12 @@ class Predictor:
 
     def stats(self) -> dict[str, Any]:
         """Accuracy per step (rolling and since the start), step-1 cross-entropy, drifts,
-        sizes, and the work done per forecast (model evaluations, a count, not a time)."""
+        sizes, and the work done (counts, not times): one-step evaluations per forecast, and
+        the share of evaluations that computed the count experts' view anew."""
         stats = self.tracker.stats()
         types = self._types
         forecasts, evaluations = self._rollout.forecasts, self._one_step.evaluations
+        views = self._one_step.views
         stats.update(
             calls=self._calls,
             finished=self._finished,
@@ -263,6 +265,8 @@ class Predictor:
             forecasts=forecasts,
             evaluations=evaluations,
             nodes_per_forecast=evaluations / forecasts if forecasts else 0.0,
+            views=views,
+            views_per_evaluation=views / evaluations if evaluations else 0.0,
             expert_weights=types.expert_weights(),
         )
         return stats

@@ -57,7 +57,8 @@ class OneStepModel:
     """The fused one-step distribution at any position, from the shared count experts
     (``markov``, ``copy``) and each type's context model and mixture (``types``).
 
-    ``evaluations`` counts the evaluations made (work, not time)."""
+    ``evaluations`` counts the evaluations made and ``views`` the count experts' views of a
+    position computed for them, new or refreshed (work, not time: a view costs the most)."""
 
     def __init__(
         self,
@@ -72,6 +73,7 @@ class OneStepModel:
         max_cache: int = 20_000,
         max_paths: int = 256,
         evaluations: int = 0,
+        views: int = 0,
     ) -> None:
         self.markov = markov
         self.copy = copy
@@ -83,15 +85,18 @@ class OneStepModel:
         self.max_cache = max_cache
         self.max_paths = max_paths
         self.evaluations = evaluations
+        self.views = views
         # per (type, last agents, run): the count models' inputs there (``_contexts``)
         self._known_contexts: dict[
             tuple[object, ...], tuple[dict[str, str], Keys, dict[str, str], Keys]
         ] = {}
 
     def __setstate__(self, state: dict[str, object]) -> None:
-        """Restore a pickle, one made before the contexts were kept included."""
+        """Restore a pickle, one made before the contexts were kept or the views counted
+        included."""
         self.__dict__.update(state)
         self.__dict__.setdefault("_known_contexts", {})
+        self.__dict__.setdefault("views", 0)
 
     def at(self, position: Position) -> tuple[Hints, Node]:
         """The hints of ``position``'s request and the one-step prediction there."""
@@ -192,6 +197,7 @@ class OneStepModel:
     ) -> Structure:
         """The count models' view of ``position`` (cached under ``view``), computed afresh:
         ``cached`` is the stale one it replaces, if any."""
+        self.views += 1
         if cached is not None:  # a refresh: the contexts are the same, their counts changed
             markov_x, markov_keys, copy_x, copy_keys = (
                 cached.markov_x,
