@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import itertools
 import json
 import math
@@ -36,7 +35,7 @@ from policyd.cli.bench import (
     SWEEP_CONCURRENCY,
     build_parser,
 )
-from policyd.policies import POLICIES
+from policyd.policies import policy_variant
 from policyd.sim.replay import SimConfig, simulate
 from policyd.sim.report import Report
 from policyd.tiers.gpu import DEFAULT_STEP_OPS
@@ -45,46 +44,6 @@ from policyd.workloads import WORKLOADS, make_workload
 from policyd.workloads.calls import Workload
 
 WorkloadLoader = Callable[[str], Workload]
-
-
-def policy_variant(label: str) -> tuple[str, dict[str, object]]:
-    """A policy as ``--policies`` names it: ``name``, or ``name[param=value,...]`` for a variant
-    run side by side with the default (its label is the whole text). Values are read as int,
-    float, true/false, or else text.
-
-    >>> policy_variant("agentkv[guard=false,discount=0.5]")
-    ('agentkv', {'guard': False, 'discount': 0.5})
-    """
-    name, bracket, rest = label.partition("[")
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(sorted(POLICIES))}")
-    if not bracket:
-        return name, {}
-    if not rest.endswith("]"):
-        raise ValueError(f"policy variant {label!r}: expected name[param=value,...]")
-    accepted = set(inspect.signature(POLICIES[name].__init__).parameters) - {"self"}
-    params: dict[str, object] = {}
-    for item in filter(None, rest[:-1].split(",")):
-        key, eq, text = item.partition("=")
-        key = key.strip()
-        if not eq or key not in accepted:
-            raise ValueError(
-                f"policy variant {label!r}: {item!r} is not param=value with a parameter of "
-                f"{name}; valid: {', '.join(sorted(accepted))}"
-            )
-        params[key] = _value(text.strip())
-    return name, params
-
-
-def _value(text: str) -> object:
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
 
 
 def ours_labels(reports: Iterable[Report]) -> list[str]:

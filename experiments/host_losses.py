@@ -37,7 +37,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from experiments.bench import policy_variant
 from experiments.matrix import Source, load_source
 from policyd.core.engine import Engine
 from policyd.core.types import (
@@ -48,7 +47,7 @@ from policyd.core.types import (
     PrefixHit,
     RequestStarted,
 )
-from policyd.policies import make_policy
+from policyd.policies import make_policy, policy_variant
 from policyd.policies.guard import RecencyGuard, WindowRecord
 from policyd.sim.cache import HostOrderQueue
 from policyd.sim.link import EngineCounters, SimEngine

@@ -17,7 +17,7 @@ from policyd.cli import main as cli_main
 from policyd.core.engine import Engine
 from policyd.core.types import EventBatch, PolicySnapshot, WorkflowFinished
 from policyd.policies import make_policy
-from policyd.sim.engine_check import Capacities, check_run, rounds_workload
+from policyd.sim.engine_check import Capacities, check_run, rounds_workload, workflows_workload
 from policyd.sim.replay import Simulator
 
 CAPS = Capacities(
@@ -117,6 +117,34 @@ def test_a_file_that_is_not_a_record_gets_one_line_of_error(
     err = capsys.readouterr().err
     assert err.startswith("policyd engine-check: error: ") and said in err
     assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_other_policies_decide_on_the_records_requests(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], run: dict[str, Any]
+) -> None:
+    """``--policies`` prints each policy's (or variant's) own decisions on the record's
+    requests: the hits of the same replay run directly; an unknown policy, parameter or an
+    oracle is refused in one line before any replay."""
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps({"runs": [run], **dataclasses.asdict(CAPS)}))
+    labels = ["lru", "agentkv[guard=false]"]
+    assert cli_main(["engine-check", str(path), "--policies", ",".join(labels)]) == 0
+    out = capsys.readouterr().out
+    workload = workflows_workload(run["requests"], CAPS.block_tokens)
+    policies = (make_policy("lru"), make_policy("agentkv", guard=False))
+    for label, policy in zip(labels, policies, strict=True):
+        report = Simulator(workload, policy, CAPS.config(CAPS.concurrency)).run()
+        gpu = report.gpu_hit_blocks * CAPS.block_tokens
+        host = report.host_hit_blocks * CAPS.block_tokens
+        assert f"| {label} | {gpu + host} ({gpu} + {host}) |" in out
+    for bad, said in (
+        ("lru,nope", "unknown policy 'nope'"),
+        ("agentkv[nope=1]", "is not param=value"),
+        ("belady", "offline oracle"),
+    ):
+        assert cli_main(["engine-check", str(path), "--policies", bad]) == 2
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1
 
 
 class RecordingEngine:

@@ -141,8 +141,7 @@ def test_pbkv_ranks_better_than_lru_past_the_knee_when_its_order_is_applied_whol
 def test_the_predictors_branching_floor_is_a_policy_parameter() -> None:
     """``pbkv[min_branch=...]`` and ``agentkv[min_branch=...]`` (bench variants) build their
     predictor with that floor; an impossible one is refused."""
-    from experiments.bench import policy_variant  # noqa: PLC0415
-    from policyd.policies import make_policy  # noqa: PLC0415
+    from policyd.policies import make_policy, policy_variant  # noqa: PLC0415
     from policyd.policies.agentkv import AgentKV  # noqa: PLC0415
 
     for label in ("pbkv[min_branch=0.2]", "agentkv[min_branch=0.2]"):

@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 
 from policyd.cli.arguments import fraction_list, int_at_least, int_list
-from policyd.core.names import POLICY_NAMES
+from policyd.core.names import POLICY_NAMES, split_policies
 from policyd.core.profiles import PROFILES
 from policyd.tiers.gpu import DEFAULT_STEP_OPS
 from policyd.workloads import WORKLOADS
@@ -27,23 +27,6 @@ DESCRIPTION = (
 DEFAULT_WORKLOADS = ("synthetic",)
 DEFAULT_CONCURRENCY = (8, 32)
 SWEEP_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
-def split_policies(text: str) -> list[str]:
-    """``--policies``: comma-separated, a variant's brackets kept whole.
-
-    >>> split_policies("lru,agentkv,agentkv[guard=false,discount=0.5]")
-    ['lru', 'agentkv', 'agentkv[guard=false,discount=0.5]']
-    """
-    out: list[str] = []
-    depth, start = 0, 0
-    for i, char in enumerate(text):
-        depth += {"[": 1, "]": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            out.append(text[start:i])
-            start = i + 1
-    out.append(text[start:])
-    return [label.strip() for label in out if label.strip()]
 
 
 def _policies(text: str) -> list[str]:

@@ -54,4 +54,52 @@ def make_policy(name: str, **kwargs: Any) -> Policy:
     return factory(**kwargs)
 
 
-__all__ = ["POLICIES", "Belady", "FutureIndex", "Ordering", "Policy", "make_policy"]
+def policy_variant(label: str) -> tuple[str, dict[str, object]]:
+    """A policy as ``--policies`` names it: ``name``, or ``name[param=value,...]`` for a variant
+    run side by side with the default (its label is the whole text). Values are read as int,
+    float, true/false, or else text.
+
+    >>> policy_variant("agentkv[guard=false,discount=0.5]")
+    ('agentkv', {'guard': False, 'discount': 0.5})
+    """
+    name, bracket, rest = label.partition("[")
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(sorted(POLICIES))}")
+    if not bracket:
+        return name, {}
+    if not rest.endswith("]"):
+        raise ValueError(f"policy variant {label!r}: expected name[param=value,...]")
+    accepted = set(inspect.signature(POLICIES[name].__init__).parameters) - {"self"}
+    params: dict[str, object] = {}
+    for item in filter(None, rest[:-1].split(",")):
+        key, eq, text = item.partition("=")
+        key = key.strip()
+        if not eq or key not in accepted:
+            raise ValueError(
+                f"policy variant {label!r}: {item!r} is not param=value with a parameter of "
+                f"{name}; valid: {', '.join(sorted(accepted))}"
+            )
+        params[key] = _value(text.strip())
+    return name, params
+
+
+def _value(text: str) -> object:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+__all__ = [
+    "POLICIES",
+    "Belady",
+    "FutureIndex",
+    "Ordering",
+    "Policy",
+    "make_policy",
+    "policy_variant",
+]

@@ -22,6 +22,10 @@ Here each run is replayed twice:
   (each workflow ending with its call sent ``workflow_done``): beside *applied*, how the
   simulator's own decisions and the daemon's differ on the same calls in the same order.
 
+With ``--policies`` (names, or variants ``name[param=value,...]``) each of those policies also
+decides on its own, as *predicted*, on the record's requests: what another policy, or another
+setting of one, would have the simulator credit on the same workload.
+
 Exit status 1 when an applied replay differs from the engine (beyond ``--tolerance`` in total
 hit tokens; per request, exactly, when ``--exact``).
 """
@@ -39,8 +43,9 @@ from typing import Any
 
 import msgspec
 
+from policyd.core.names import ORACLE_POLICY_NAMES, split_policies
 from policyd.core.types import PolicySnapshot
-from policyd.policies import make_policy
+from policyd.policies import make_policy, policy_variant
 from policyd.sim.replay import SimConfig, Simulator
 from policyd.workloads.calls import Call, Workload
 
@@ -294,6 +299,29 @@ def _tier_diff(req: dict[str, Any], sim_tiers: dict[str, list[int]] | None) -> l
     return lines
 
 
+def what_if(rec: dict[str, Any], caps: Capacities, labels: Sequence[str]) -> str:
+    """Each of ``labels`` deciding on its own in the simulator, one stream per workflow of the
+    record's requests at the record's concurrency (as a run's *predicted*): a table of hit
+    tokens (GPU + host)."""
+    requests: list[dict[str, Any]] = rec["runs"][0]["requests"]  # the same prompts in every run
+    workload = workflows_workload(requests, caps.block_tokens)
+    lines = [
+        "| policy, deciding on its own | simulator hit (GPU + host) |",
+        "|---|---|",
+    ]
+    for label in labels:
+        name, params = policy_variant(label)
+        report = Simulator(
+            workload, make_policy(name, **params), caps.config(caps.concurrency)
+        ).run()
+        gpu, host = (
+            report.gpu_hit_blocks * caps.block_tokens,
+            report.host_hit_blocks * caps.block_tokens,
+        )
+        lines.append(f"| {label} | {gpu + host} ({gpu} + {host}) |")
+    return "\n".join(lines)
+
+
 def table(checks: Sequence[RunCheck]) -> str:
     lines = [
         "| run | requests | prompt tokens | engine hit (GPU + host) | simulator, same decisions "
@@ -322,14 +350,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--exact", action="store_true", help="every request must match")
     ap.add_argument("--tolerance", type=float, default=0.02, help="on total hit tokens")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument(
+        "--policies",
+        type=split_policies,
+        default=[],
+        help="also simulate these deciding on their own on the record's requests "
+        "(comma-separated names or name[param=value,...])",
+    )
     args = ap.parse_args(argv)
     rec, caps = read_record(args.record)
+    for label in args.policies:  # (refused before any replay runs)
+        if policy_variant(label)[0] in ORACLE_POLICY_NAMES:
+            raise ValueError(f"{label} is an offline oracle: --policies takes online policies")
     checks = [check_run(run, caps) for run in rec["runs"]]
     print(
         f"simulator vs vLLM engine: {caps.gpu_blocks} GPU blocks, {caps.host_blocks} host "
         f"blocks, {caps.block_tokens}-token blocks, concurrency {caps.concurrency}\n"
     )
     print(table(checks))
+    if args.policies:
+        print(f"\n{what_if(rec, caps, args.policies)}")
     failed = False
     for c in checks:
         bad = c.mismatches > 0 if args.exact else c.total_gap() > args.tolerance
