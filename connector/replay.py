@@ -383,12 +383,35 @@ def connector_config(host_chunks: int, extra: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def tunable(text: str) -> tuple[str, Any]:
+    """``--tunable KEY=VALUE``: the value as JSON reads it (a number, true/false), else text.
+
+    >>> tunable("recency_guard=off"), tunable("write_filter_theta=0.9")
+    (('recency_guard', 'off'), ('write_filter_theta', 0.9))
+    """
+    key, eq, value = text.partition("=")
+    if not eq or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        parsed: Any = json.loads(value)
+    except ValueError:
+        parsed = value
+    return key.strip(), parsed
+
+
 class Daemon:
     """``policyd serve`` from the main venv on ephemeral loopback ports, publishing snapshots
     when asked (its timer set to an hour, the snapshots' TTL too)."""
 
     def __init__(
-        self, policyd: Path, policy: str, gpu_blocks: int, host_blocks: int, workdir: Path
+        self,
+        policyd: Path,
+        policy: str,
+        gpu_blocks: int,
+        host_blocks: int,
+        workdir: Path,
+        *,
+        tunables: dict[str, Any] | None = None,
     ) -> None:
         self.events = f"tcp://127.0.0.1:{_free_port()}"
         self.snapshots = f"tcp://127.0.0.1:{_free_port()}"
@@ -422,7 +445,7 @@ class Daemon:
         # the daemon sizes its decisions by the host tier in GiB of its profile's blocks
         host_gib = host_blocks * get_profile(DAEMON_PROFILE).kv_bytes_per_block / 2**30
         settings = {"snapshot_interval_s": ON_DEMAND_S, "host_tier_gib": host_gib}
-        self._request("PUT", "/api/settings", settings)
+        self._request("PUT", "/api/settings", {**settings, **(tunables or {})})
 
     def _ready(self) -> bool:
         try:
@@ -622,7 +645,14 @@ def _in_process(args: argparse.Namespace) -> list[Run]:
         if name == "vllm-default":
             kv = connector_config(args.host_chunks, {**extra, "agentkv_daemon": False})
         elif name != "gpu-only":
-            daemon = Daemon(args.policyd, name, args.gpu_blocks, args.host_chunks, work)
+            daemon = Daemon(
+                args.policyd,
+                name,
+                args.gpu_blocks,
+                args.host_chunks,
+                work,
+                tunables=dict(args.tunable),
+            )
             extra["agentkv_events_endpoint"] = daemon.events
             extra["agentkv_snapshot_endpoint"] = daemon.snapshots
             kv = connector_config(args.host_chunks, extra)
@@ -816,6 +846,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--record", type=Path, help="write the requests and snapshots here")
     ap.add_argument(
         "--trace-tiers", action="store_true", help="record both tiers' blocks at every request"
+    )
+    ap.add_argument(
+        "--tunable",
+        type=tunable,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a daemon tunable for every daemon run (PUT /api/settings; e.g. recency_guard=off)",
     )
     args = ap.parse_args(argv)
     if args.repeat < 1:

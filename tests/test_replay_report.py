@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from connector.replay import repeats_table
+import argparse
+
+import pytest
+
+from connector.replay import repeats_table, tunable
 
 
 def _run(name: str, recomputed: int, p99: float | None) -> dict[str, object]:
@@ -37,3 +41,15 @@ def test_repeats_table_takes_medians_and_judges_the_median_against_the_budget() 
 def test_repeats_table_without_step_times_or_a_default() -> None:
     line = repeats_table([_run("gpu-only", 50, None), _run("gpu-only", 70, None)]).splitlines()[1]
     assert line == "gpu-only: recomputed tokens median 60 (range 50-70)"
+
+
+def test_a_tunable_is_key_equals_value_read_as_json_or_text() -> None:
+    """``--tunable KEY=VALUE``: numbers and booleans as JSON reads them, anything else as
+    text (the daemon validates it); a malformed one is refused by the parser."""
+    assert tunable("recency_guard=off") == ("recency_guard", "off")
+    assert tunable(" write_filter_theta =0.9") == ("write_filter_theta", 0.9)
+    assert tunable("shards_rate=1") == ("shards_rate", 1)
+    assert tunable("flag=true") == ("flag", True)
+    for bad in ("recency_guard", "=off"):
+        with pytest.raises(argparse.ArgumentTypeError, match="KEY=VALUE"):
+            tunable(bad)
