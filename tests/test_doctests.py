@@ -7,9 +7,10 @@ from types import ModuleType
 
 import pytest
 
+import connector.replay
 import experiments.bench
 import policyd.cli.arguments
-import policyd.cli.bench
+import policyd.core.names
 import policyd.core.ratelog
 import policyd.core.types
 import policyd.core.validate
@@ -30,9 +31,10 @@ import policyd.workloads.chats
 @pytest.mark.parametrize(
     "module",
     [
+        connector.replay,
         experiments.bench,
         policyd.cli.arguments,
-        policyd.cli.bench,
+        policyd.core.names,
         policyd.daemon.ingest,
         policyd.daemon.settings,
         policyd.history.safe_sql,
