@@ -6,7 +6,7 @@
 ``connector.replay --record`` writes every request the engine served (its prompt tokens, the
 tokens it generated, the GPU and host hit the connector traced when vLLM allocated its blocks)
 and every snapshot the daemon published, with the request before which the connector adopted it.
-Here each run is replayed twice:
+Here each run is replayed three ways:
 
 * **applied** - the same requests in the same rounds (one fan-out step per round), the same
   capacities and block size, and the *same snapshots* adopted before the same requests: what
