@@ -28,6 +28,7 @@ from policyd.policies.agentkv import AgentKV
 from policyd.policies.guard import FILTER, LEARNED, RECENCY, RecencyGuard
 from policyd.policies.shadow import BlockSampler, ShadowTiers
 from policyd.sim.replay import SimConfig, Simulator
+from policyd.tiers.host_order import HostOrder, LruOrder
 from policyd.workloads import make_workload
 
 _request_ids = count()
@@ -158,24 +159,26 @@ A = (1, 2, 3, 4, 5)  # a prompt re-sent now and then
 _fresh = count(1000)
 
 
-def scan() -> tuple[int, ...]:
-    return tuple(next(_fresh) for _ in range(5))
+def scan(blocks: int = 5) -> tuple[int, ...]:
+    return tuple(next(_fresh) for _ in range(blocks))
 
 
 def run(
     guard: RecencyGuard,
     snapshot: PolicySnapshot,
     rounds: int,
+    *,
     resend: bool = False,
     arm: str = "learned",
+    scan_blocks: int = 5,
 ) -> None:
-    """``snapshot`` adopted by ``arm``, then rounds of: ``A``, two scans of new blocks
-    (``resend``: a new prompt, sent twice)."""
+    """``snapshot`` adopted by ``arm``, then rounds of: ``A``, two scans of ``scan_blocks`` new
+    blocks (``resend``: a new prompt, sent twice)."""
     host = None if snapshot.host_scores is None else score_map(snapshot.host_scores)
     guard.adopt(snapshot, score_map(snapshot.scores), host, arm=arm)
     for _ in range(rounds):
         fresh = scan()
-        for blocks in (fresh, fresh) if resend else (A, scan(), scan()):
+        for blocks in (fresh, fresh) if resend else (A, scan(scan_blocks), scan(scan_blocks)):
             event = started(blocks)
             guard.observe(event)
             guard.observe(RequestFinished(ts=0.0, request_id=event.request_id, output_tokens=0))
@@ -189,6 +192,13 @@ def small_guard(arms: tuple[str, ...] = ("learned",), pinned: str | None = None)
 
 KEEP_A = PolicySnapshot(
     version=1, ts=0.0, ttl_s=5.0, policy="agentkv", host_scores=(ScoredBlocks(1.0, A),)
+)
+DECLINE_LARGE = PolicySnapshot(  # a write filter alone: A's five new blocks, never a larger scan
+    version=3,
+    ts=0.0,
+    ttl_s=5.0,
+    policy="agentkv",
+    write_filter=WriteFilter(mode="fixed", max_new_blocks=len(A)),
 )
 DECLINE_ALL = PolicySnapshot(
     version=2,
@@ -242,14 +252,30 @@ def test_a_tie_keeps_vllms_default() -> None:
 def test_the_arm_that_wins_is_published_and_a_losing_one_never() -> None:
     guard = small_guard(arms=("filter", "learned"))
     run(guard, DECLINE_ALL, rounds=0)  # the learned arm stores no new prompt: it loses
-    run(guard, KEEP_A, rounds=8, arm="filter")  # the filter arm keeps A: it wins
+    # scans of 8 blocks push A out of vLLM's LRU host tier; the filter arm declines them and
+    # keeps A: it wins
+    run(guard, DECLINE_LARGE, rounds=8, arm="filter", scan_blocks=8)
     c = guard.counters
     assert guard.published == "filter" and not guard.learned
     assert c.switches_to_filter == 1 and c.switches_to_learned == 0
     assert c.filter_shadow_hits > c.default_shadow_hits >= c.learned_shadow_hits
     assert guard.state()["mode"] == "filter"
-    run(guard, KEEP_A, rounds=12)  # now the learned arm keeps A too, and hits what filter hits
+    # now the learned arm keeps A too (by its host order), and hits what the filter hits
+    run(guard, KEEP_A, rounds=12, scan_blocks=8)
     assert guard.published == "filter"  # a tie with the published arm switches nothing
+
+
+def test_only_the_learned_shadow_orders_its_host_tier() -> None:
+    """vLLM's default and the write filter alone never order the host tier: their shadows keep
+    it in ``LruOrder`` (the same evictions, tests/test_connector.py) and refuse a snapshot that
+    would order it; the learned arm's shadow applies its host order (``HostOrder``)."""
+    guard = small_guard(arms=("filter", "learned"))
+    kinds = {arm: type(shadow.host) for arm, shadow in guard.shadows.items()}
+    assert kinds == {"recency": LruOrder, "filter": LruOrder, "learned": HostOrder}
+    guard.adopt(DECLINE_LARGE, {}, arm="filter")  # a write filter alone: followed
+    assert guard.shadows["filter"].view is not None
+    with pytest.raises(ValueError, match="does not order the host tier"):
+        guard.adopt(KEEP_A, {}, score_map(KEEP_A.host_scores or ()), arm="filter")
 
 
 def test_a_pinned_guard_publishes_its_arm_whatever_the_windows_say() -> None:

@@ -171,7 +171,8 @@ class RecencyGuard:
         # vLLM's default until the sample says an arm wins
         self.published = RECENCY if pinned is None else pinned
         self.sampler = BlockSampler()
-        self.shadows = {arm: ShadowTiers() for arm in self.arms}
+        # only the learned arm's snapshots order the host tier (``ShadowTiers.host_ordered``)
+        self.shadows = {arm: ShadowTiers(host_ordered=arm == LEARNED) for arm in self.arms}
         self._active = False  # a tier to shadow
         # request -> (its sampled blocks, the published shadow's hits), until its PrefixHit
         self._pending: dict[str, tuple[tuple[int, ...], int]] = {}

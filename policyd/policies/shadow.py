@@ -18,7 +18,9 @@ estimates the real tier's hits on them.
   least recent unoffered blocks; then the blocks it offered or loaded become the most recent, its
   first block last. A block the GPU hits is offered too (vLLM's store job starts at the prompt's
   first chunk), so a prefix the GPU keeps stays recent on the host. The host tier is the
-  connector's own ``tiers.HostOrder``. vLLM writes when the prefill ends and re-ranks when the
+  connector's own ``tiers.HostOrder`` where the arm's snapshots order it, else
+  ``tiers.LruOrder``, which evicts what ``HostOrder`` evicts with no order, without its heaps
+  (``host_ordered``). vLLM writes when the prefill ends and re-ranks when the
   request finishes; the shadow does both when it finishes, the last event the connector sends
   for it (written at the lookup, a running request's blocks were evicted by the requests
   starting during its prefill; while it runs its prompt is on the GPU anyway).
@@ -55,7 +57,7 @@ from policyd.tiers.gpu import (
     DEFAULT_STEP_OPS,
     GpuApplier,
 )
-from policyd.tiers.host_order import HostOrder
+from policyd.tiers.host_order import HostOrder, LruOrder
 from policyd.tiers.view import DEFAULT_TOP_BLOCKS, Ownership, SnapshotView, write_allowed
 
 # Fibonacci hashing (multiplication modulo 2**64, numpy's uint64 wraps): spreads sequential
@@ -147,18 +149,27 @@ def _same(block: int) -> int:
     return block
 
 
+def _orders_host(view: SnapshotView) -> bool:
+    """The view gives the host tier an order (``HostOrder``: scores, staged or retired)."""
+    return bool(view.host_scores or view.stage or view.retired_workflows)
+
+
 class ShadowTiers:
     """One sampled GPU tier and host tier, in vLLM's order or, once it ``adopt``\\ s them, a
-    policy's snapshots' (module doc)."""
+    policy's snapshots' (module doc). ``host_ordered``: its snapshots may order the host tier
+    (``HostOrder``); an arm whose snapshots never do (vLLM's default, a write filter alone)
+    keeps its host tier in ``LruOrder``, the same evictions at a fraction of the cost, and a
+    snapshot that orders the host tier is refused there."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, host_ordered: bool = True) -> None:
         self.rate = 1.0
+        self.host_ordered = host_ordered
         self.gpu = ShadowPool(0)
-        self.host: HostOrder[int] = HostOrder(_same)
+        self.host: HostOrder[int] | LruOrder[int] = self._new_host()
         self.host_capacity = 0
         self.ownership = Ownership()
         self.applier = GpuApplier(self.gpu)
-        self.budget = StepBudget(self.applier, self.host, DEFAULT_STEP_OPS)
+        self.budget = StepBudget(self.applier, self._ordered_host(), DEFAULT_STEP_OPS)
         self.view: SnapshotView | None = None
         self._credit = 0.0  # steps' budgets owed: ``rate`` a request
         # request -> the host blocks it offered (None: its writes declined), and those it offered
@@ -170,7 +181,7 @@ class ShadowTiers:
         vLLM's default."""
         self.rate = rate
         self.gpu = ShadowPool(max(gpu_capacity, 0))
-        self.host = HostOrder(_same)
+        self.host = self._new_host()
         self.host_capacity = max(host_capacity, 0)
         self.ownership = Ownership()
         self.applier = GpuApplier(
@@ -180,13 +191,20 @@ class ShadowTiers:
         )
         self.budget = StepBudget(
             self.applier,
-            self.host,
+            self._ordered_host(),
             DEFAULT_STEP_OPS,
             adopt_cost_ops=round(ADOPT_COST_OPS * rate),
         )
         self.view = None
         self._credit = 0.0
         self._host_writes = {}
+
+    def _new_host(self) -> HostOrder[int] | LruOrder[int]:
+        return HostOrder(_same) if self.host_ordered else LruOrder()
+
+    def _ordered_host(self) -> HostOrder[int] | None:
+        """The host order the budget re-keys (None: an LRU tier has nothing to re-key)."""
+        return self.host if isinstance(self.host, HostOrder) else None
 
     def adopt(
         self,
@@ -198,6 +216,8 @@ class ShadowTiers:
         ``scores`` and ``host_scores`` are its two orders as maps (the policy has them: a view
         shares them rather than copying; ``host_scores`` None: ``scores`` orders both)."""
         view = None if snapshot is None else self._view(snapshot, scores, host_scores)
+        if view is not None and not self.host_ordered and _orders_host(view):
+            raise ValueError("this shadow's arm does not order the host tier")
         self.view = view
         retired = view.retired_workflows if view is not None else frozenset()
         self.budget.adopt(view, self.ownership.retire(retired))
