@@ -375,7 +375,7 @@ def test_lru_order_evicts_what_host_order_evicts_under_views_that_give_the_host_
     evictions, keys inserted again and touched included."""
     rng = random.Random(seed)
     order: HostOrder[int] = HostOrder(lambda k: k)
-    lru: LruOrder[int] = LruOrder()
+    lru = LruOrder()
     views = [None, SnapshotView.of(snap(write_filter=WriteFilter(mode="fixed", max_new_blocks=4)))]
     for _ in range(300):
         op = rng.random()

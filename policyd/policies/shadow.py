@@ -165,7 +165,7 @@ class ShadowTiers:
         self.rate = 1.0
         self.host_ordered = host_ordered
         self.gpu = ShadowPool(0)
-        self.host: HostOrder[int] | LruOrder[int] = self._new_host()
+        self.host: HostOrder[int] | LruOrder = self._new_host()
         self.host_capacity = 0
         self.ownership = Ownership()
         self.applier = GpuApplier(self.gpu)
@@ -199,7 +199,7 @@ class ShadowTiers:
         self._credit = 0.0
         self._host_writes = {}
 
-    def _new_host(self) -> HostOrder[int] | LruOrder[int]:
+    def _new_host(self) -> HostOrder[int] | LruOrder:
         return HostOrder(_same) if self.host_ordered else LruOrder()
 
     def _ordered_host(self) -> HostOrder[int] | None:

@@ -26,11 +26,11 @@ and no change when it cannot take exactly ``n`` unprotected keys.
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, KeysView
 from collections.abc import Set as AbstractSet
 from typing import Any, Final, Generic, TypeVar
 
+from policyd.core.queues import LruQueue
 from policyd.tiers.view import SnapshotView
 
 K = TypeVar("K", bound=Hashable)
@@ -365,13 +365,14 @@ def _priority_under(
     return (cls, view.host_score(block), rank)
 
 
-class LruOrder(Generic[K]):
+class LruOrder(LruQueue):
     """The order of a tier that no snapshot orders (vLLM's default, or a write filter alone):
-    vLLM's LRU, the evictions ``HostOrder`` makes with no view, in one ordered dict instead of
-    its two heaps. Every key is evictable: for the guard's shadows, which write a request's
-    blocks when it finishes (``policies.shadow``), where nothing is in flight.
+    vLLM's LRU (``core.queues.LruQueue``, one ordered dict) under ``HostOrder``'s calls, the
+    evictions ``HostOrder`` makes with no view, without its two heaps. Every key is evictable:
+    for the guard's shadows, which write a request's blocks when it finishes
+    (``policies.shadow``), with nothing in flight.
 
-    >>> order = LruOrder[int]()
+    >>> order = LruOrder()
     >>> for key in (1, 2, 3):
     ...     order.insert(key)
     >>> order.touch([2, 1])  # a request used 2 then 1: 1 (its tail) is ranked older than 2
@@ -379,46 +380,17 @@ class LruOrder(Generic[K]):
     [1, 2]
     """
 
-    def __init__(self) -> None:
-        self._keys: OrderedDict[K, None] = OrderedDict()  # first: the least recently used
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
-
-    def insert(self, key: K, evictable: bool = True) -> None:
-        """``key`` stored (again): the most recent (``HostOrder.insert``'s signature; a key
-        held by a store in flight is not kept here)."""
+    def insert(self, key: int, evictable: bool = True) -> None:
+        """``key`` stored (again): the most recent (``HostOrder.insert``; a key held by a store
+        in flight is not kept here)."""
         if not evictable:
             raise ValueError("LruOrder keeps evictable keys only")
-        self._keys[key] = None
-        self._keys.move_to_end(key)
+        self[key] = None
+        self.move_to_end(key)
 
-    def touch(self, keys_head_to_tail: Iterable[K]) -> None:
+    def touch(self, keys_head_to_tail: Iterable[int]) -> None:
         """A request used these keys: the tail gets the older rank, so it is evicted first."""
-        keys = self._keys
-        for key in reversed(list(keys_head_to_tail)):
-            if key in keys:
-                keys.move_to_end(key)
-
-    def evict(self, n: int, protected: AbstractSet[K] = frozenset()) -> list[K] | None:
-        """Take exactly ``n`` unprotected keys, least recently used first, or None (no change)."""
-        if n <= 0:
-            return []
-        keys = self._keys
-        chosen: list[K] = []
-        for key in keys:
-            if key not in protected:
-                chosen.append(key)
-                if len(chosen) == n:
-                    break
-        else:
-            return None
-        for key in chosen:
-            del keys[key]
-        return chosen
+        self.to_tail([key for key in reversed(list(keys_head_to_tail)) if key in self])
 
 
 E = TypeVar("E", bound=tuple[Any, Any])
