@@ -38,7 +38,7 @@ from policyd.core.types import (
     WriteFilter,
 )
 from policyd.core.wire import SNAPSHOT_TOPIC, Endpoints
-from policyd.tiers.host_order import HostOrder, LruOrder
+from policyd.tiers.host_order import HostOrder
 from policyd.tiers.view import Ownership, SnapshotView, select_pins, write_allowed
 from tests.peers import Sockets, daemon_peer, wait_for
 
@@ -363,38 +363,6 @@ def test_without_snapshot_the_order_is_exactly_lru(seed: int) -> None:
             protected = set(rng.sample(list(ref.order), min(2, len(ref.order))))
             assert order.evict(n, protected) == ref.evict(n, protected)
         assert len(order) == len(ref.order)
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.integers(0, 2**32 - 1))
-def test_lru_order_evicts_what_host_order_evicts_under_views_that_give_the_host_no_order(
-    seed: int,
-) -> None:
-    """Differential: ``LruOrder`` (the guard's default and filter shadows) against ``HostOrder``
-    under no view or a write filter alone, set and partly re-keyed at random times: the same
-    evictions, keys inserted again and touched included."""
-    rng = random.Random(seed)
-    order: HostOrder[int] = HostOrder(lambda k: k)
-    lru = LruOrder()
-    views = [None, SnapshotView.of(snap(write_filter=WriteFilter(mode="fixed", max_new_blocks=4)))]
-    for _ in range(300):
-        op = rng.random()
-        if op < 0.4:
-            key = rng.randrange(40)
-            order.insert(key, evictable=True)
-            lru.insert(key)
-        elif op < 0.6:
-            keys = rng.sample(range(40), rng.randint(1, 5))
-            order.touch(keys)
-            lru.touch(keys)
-        elif op < 0.7:
-            order.set_view(rng.choice(views))
-            order.rekey(rng.randint(0, 3))
-        else:
-            n = rng.randint(0, 4)
-            protected = set(rng.sample(range(40), rng.randint(0, 3)))
-            assert lru.evict(n, protected) == order.evict(n, protected)
-        assert len(lru) == len(order) and all(key in lru for key in order)
 
 
 def test_snapshot_order_retired_first_then_score_then_recency() -> None:
@@ -789,7 +757,6 @@ def test_host_removed_event_names_the_tier(
         "connector.params",
         "connector.events",
         "policyd.tiers.view",
-        "policyd.tiers.host_order",
         "connector.copy_plan",
     ],
 )

@@ -23,6 +23,7 @@ import policyd.policies.guard
 import policyd.policies.pacing
 import policyd.policies.rankings
 import policyd.policies.referee
+import policyd.policies.shadow
 import policyd.policies.steps
 import policyd.workloads.calls
 import policyd.workloads.chats
@@ -43,6 +44,7 @@ import policyd.workloads.chats
         policyd.policies.pacing,
         policyd.policies.rankings,
         policyd.policies.referee,
+        policyd.policies.shadow,
         policyd.policies.steps,
         policyd.models.stepgraph,
         policyd.core.ratelog,

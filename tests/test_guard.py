@@ -5,6 +5,7 @@ it."""
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 from itertools import count
 
@@ -26,9 +27,10 @@ from policyd.core.types import (
 )
 from policyd.policies.agentkv import AgentKV
 from policyd.policies.guard import FILTER, LEARNED, RECENCY, RecencyGuard
-from policyd.policies.shadow import BlockSampler, ShadowTiers
+from policyd.policies.shadow import BlockSampler, LruOrder, ShadowTiers
 from policyd.sim.replay import SimConfig, Simulator
-from policyd.tiers.host_order import HostOrder, LruOrder
+from policyd.tiers.host_order import HostOrder
+from policyd.tiers.view import SnapshotView
 from policyd.workloads import make_workload
 
 _request_ids = count()
@@ -263,6 +265,38 @@ def test_the_arm_that_wins_is_published_and_a_losing_one_never() -> None:
     # now the learned arm keeps A too (by its host order), and hits what the filter hits
     run(guard, KEEP_A, rounds=12, scan_blocks=8)
     assert guard.published == "filter"  # a tie with the published arm switches nothing
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_lru_order_evicts_what_host_order_evicts_under_views_that_give_the_host_no_order(
+    seed: int,
+) -> None:
+    """Differential: ``LruOrder`` (the guard's default and filter shadows) against ``HostOrder``
+    under no view or a write filter alone, set and partly re-keyed at random times: the same
+    evictions, keys inserted again and touched included."""
+    rng = random.Random(seed)
+    order: HostOrder[int] = HostOrder(lambda k: k)
+    lru = LruOrder()
+    views = [None, SnapshotView.of(DECLINE_LARGE)]  # no order, or a write filter alone
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.4:
+            key = rng.randrange(40)
+            order.insert(key, evictable=True)
+            lru.insert(key)
+        elif op < 0.6:
+            keys = rng.sample(range(40), rng.randint(1, 5))
+            order.touch(keys)
+            lru.touch(keys)
+        elif op < 0.7:
+            order.set_view(rng.choice(views))
+            order.rekey(rng.randint(0, 3))
+        else:
+            n = rng.randint(0, 4)
+            protected = set(rng.sample(range(40), rng.randint(0, 3)))
+            assert lru.evict(n, protected) == order.evict(n, protected)
+        assert len(lru) == len(order) and all(key in lru for key in order)
 
 
 def test_only_the_learned_shadow_orders_its_host_tier() -> None:

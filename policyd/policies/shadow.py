@@ -19,7 +19,7 @@ estimates the real tier's hits on them.
   first block last. A block the GPU hits is offered too (vLLM's store job starts at the prompt's
   first chunk), so a prefix the GPU keeps stays recent on the host. The host tier is the
   connector's own ``tiers.HostOrder`` where the arm's snapshots order it, else
-  ``tiers.LruOrder``, which evicts what ``HostOrder`` evicts with no order, without its heaps
+  ``LruOrder``, which evicts what ``HostOrder`` evicts with no order, without its heaps
   (``host_ordered``). vLLM writes when the prefill ends and re-ranks when the
   request finishes; the shadow does both when it finishes, the last event the connector sends
   for it (written at the lookup, a running request's blocks were evicted by the requests
@@ -47,6 +47,7 @@ from typing import Final
 
 import numpy as np
 
+from policyd.core.queues import LruQueue
 from policyd.core.types import PolicySnapshot
 from policyd.policies.lifecycle import RETIRED_SCORE
 from policyd.policies.rankings import ScoreMap
@@ -57,7 +58,7 @@ from policyd.tiers.gpu import (
     DEFAULT_STEP_OPS,
     GpuApplier,
 )
-from policyd.tiers.host_order import HostOrder, LruOrder
+from policyd.tiers.host_order import HostOrder
 from policyd.tiers.view import DEFAULT_TOP_BLOCKS, Ownership, SnapshotView, write_allowed
 
 # Fibonacci hashing (multiplication modulo 2**64, numpy's uint64 wraps): spreads sequential
@@ -143,6 +144,34 @@ class ShadowPool:
         for h in handles:
             if h in queue:
                 queue.move_to_end(h)
+
+
+class LruOrder(LruQueue):
+    """The order of a tier that no snapshot orders (vLLM's default, or a write filter alone):
+    vLLM's LRU (``core.queues.LruQueue``, one ordered dict) under ``HostOrder``'s calls, the
+    evictions ``HostOrder`` makes with no view, without its two heaps. Every key is evictable:
+    for the guard's shadows, which write a request's blocks when it finishes
+    (``ShadowTiers``), with nothing in flight.
+
+    >>> order = LruOrder()
+    >>> for key in (1, 2, 3):
+    ...     order.insert(key)
+    >>> order.touch([2, 1])  # a request used 2 then 1: 1 (its tail) is ranked older than 2
+    >>> order.evict(2, protected={3})
+    [1, 2]
+    """
+
+    def insert(self, key: int, evictable: bool = True) -> None:
+        """``key`` stored (again): the most recent (``HostOrder.insert``; a key held by a store
+        in flight is not kept here)."""
+        if not evictable:
+            raise ValueError("LruOrder keeps evictable keys only")
+        self[key] = None
+        self.move_to_end(key)
+
+    def touch(self, keys_head_to_tail: Iterable[int]) -> None:
+        """A request used these keys: the tail gets the older rank, so it is evicted first."""
+        self.to_tail([key for key in reversed(list(keys_head_to_tail)) if key in self])
 
 
 def _same(block: int) -> int:

@@ -30,7 +30,6 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, KeysView
 from collections.abc import Set as AbstractSet
 from typing import Any, Final, Generic, TypeVar
 
-from policyd.core.queues import LruQueue
 from policyd.tiers.view import SnapshotView
 
 K = TypeVar("K", bound=Hashable)
@@ -363,34 +362,6 @@ def _priority_under(
     recency."""
     cls = RETIRED if block in retired else STAGED if block in view.stage else NORMAL
     return (cls, view.host_score(block), rank)
-
-
-class LruOrder(LruQueue):
-    """The order of a tier that no snapshot orders (vLLM's default, or a write filter alone):
-    vLLM's LRU (``core.queues.LruQueue``, one ordered dict) under ``HostOrder``'s calls, the
-    evictions ``HostOrder`` makes with no view, without its two heaps. Every key is evictable:
-    for the guard's shadows, which write a request's blocks when it finishes
-    (``policies.shadow``), with nothing in flight.
-
-    >>> order = LruOrder()
-    >>> for key in (1, 2, 3):
-    ...     order.insert(key)
-    >>> order.touch([2, 1])  # a request used 2 then 1: 1 (its tail) is ranked older than 2
-    >>> order.evict(2, protected={3})
-    [1, 2]
-    """
-
-    def insert(self, key: int, evictable: bool = True) -> None:
-        """``key`` stored (again): the most recent (``HostOrder.insert``; a key held by a store
-        in flight is not kept here)."""
-        if not evictable:
-            raise ValueError("LruOrder keeps evictable keys only")
-        self[key] = None
-        self.move_to_end(key)
-
-    def touch(self, keys_head_to_tail: Iterable[int]) -> None:
-        """A request used these keys: the tail gets the older rank, so it is evicted first."""
-        self.to_tail([key for key in reversed(list(keys_head_to_tail)) if key in self])
 
 
 E = TypeVar("E", bound=tuple[Any, Any])
