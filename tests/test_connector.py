@@ -752,13 +752,7 @@ def test_host_removed_event_names_the_tier(
 
 
 @pytest.mark.parametrize(
-    "module",
-    [
-        "connector.params",
-        "connector.events",
-        "policyd.tiers.view",
-        "connector.copy_plan",
-    ],
+    "module", ["connector.params", "connector.events", "policyd.tiers.view", "connector.copy_plan"]
 )
 def test_docstring_examples(module: str) -> None:
     import doctest  # noqa: PLC0415

@@ -301,7 +301,7 @@ def test_lru_order_evicts_what_host_order_evicts_under_views_that_give_the_host_
 
 def test_only_the_learned_shadow_orders_its_host_tier() -> None:
     """vLLM's default and the write filter alone never order the host tier: their shadows keep
-    it in ``LruOrder`` (the same evictions, tests/test_connector.py) and refuse a snapshot that
+    it in ``LruOrder`` (the same evictions: the differential test above) and refuse a snapshot that
     would order it; the learned arm's shadow applies its host order (``HostOrder``)."""
     guard = small_guard(arms=("filter", "learned"))
     kinds = {arm: type(shadow.host) for arm, shadow in guard.shadows.items()}
