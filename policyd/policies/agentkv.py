@@ -204,7 +204,10 @@ class AgentKV(PredictorSurface, ScoredPolicy):
         retired = self.lifecycle.mark()
         gpu = disjoint(gpu_groups, retired)
         pressure = self.admission.pressure(state, now)
-        host = self.host_order.publish(host_groups, state, retired=retired, pressure=pressure)
+        same = gpu if host_groups is gpu_groups else None  # (one ranking orders both tiers)
+        host = self.host_order.publish(
+            host_groups, state, retired=retired, pressure=pressure, ranked=same
+        )
         decisions = PolicySnapshot(
             version=version,
             ts=now,
@@ -296,7 +299,8 @@ class AgentKV(PredictorSurface, ScoredPolicy):
 def _with_orders(
     decisions: PolicySnapshot, gpu: Ranked, host: Ranked, lifecycle: Lifecycle
 ) -> PolicySnapshot:
-    """``decisions`` with the GPU's order as ``scores`` and the host's as ``host_scores``."""
-    return msgspec.structs.replace(
-        decisions, scores=gpu.published(lifecycle), host_scores=host.published(lifecycle)
-    )
+    """``decisions`` with the GPU's order as ``scores`` and the host's as ``host_scores``
+    (one tuple for both when one ranking orders both tiers)."""
+    scores = gpu.published(lifecycle)
+    host_scores = scores if host is gpu else host.published(lifecycle)
+    return msgspec.structs.replace(decisions, scores=scores, host_scores=host_scores)

@@ -20,6 +20,7 @@ with what it would displace in the same order (docs/RESULTS.md, *agentkv vs ever
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import filterfalse
 
 from policyd.core.state import EngineState
 from policyd.core.types import ScoredBlocks
@@ -67,12 +68,17 @@ class HostOrder:
         *,
         retired: RetiredMark,
         pressure: bool,
+        ranked: Ranked | None = None,
     ) -> Ranked:
         """The ranking's ``groups`` as the snapshot's ``host_scores``: resident copies raised
         under ``pressure``, the blocks ``retired`` (a lifecycle's mark, taken now) that no group
-        names lowest, each block said once; its scores kept as ``published``."""
-        ordered = self._resident_first(groups, state) if pressure else list(groups)
-        ranked = disjoint(ordered, retired)
+        names lowest, each block said once; its scores kept as ``published``. ``ranked``:
+        ``disjoint(groups, retired)`` when the caller has it (the GPU's order is the same
+        groups), taken as it is unless ``pressure`` re-orders the groups."""
+        if pressure:
+            ranked = disjoint(self._resident_first(groups, state), retired)
+        elif ranked is None:
+            ranked = disjoint(groups, retired)
         self.published = ranked.scores
         return ranked
 
@@ -82,15 +88,15 @@ class HostOrder:
         """``groups`` with their host-resident blocks' positive scores raised by the factor
         ``1 + RESIDENCY_BONUS``: a copy already in the tier keeps its place against a newcomer
         of about the same value (values further apart keep their order)."""
-        resident = state.resident["host"]
+        is_resident = state.resident["host"].__contains__
         out: list[ScoredBlocks] = []
         for group in groups:
-            kept = tuple(b for b in group.block_hashes if b in resident)
+            kept = tuple(filter(is_resident, group.block_hashes))
             if not kept or group.score <= 0.0:
                 out.append(group)
                 continue
             out.append(ScoredBlocks(group.score * (1.0 + RESIDENCY_BONUS), kept))
-            rest = tuple(b for b in group.block_hashes if b not in resident)
+            rest = tuple(filterfalse(is_resident, group.block_hashes))
             if rest:
                 out.append(ScoredBlocks(group.score, rest))
         return out

@@ -108,8 +108,9 @@ class ShadowPool:
     def trim(self) -> None:
         """Evict from the free queue's head until the pool fits (held blocks stay)."""
         queue = self.free_queue
-        while len(self.refs) + len(queue) > self.capacity and queue:
-            queue.popitem(last=False)
+        popitem = queue.popitem
+        for _ in range(min(len(self.refs) + len(queue) - self.capacity, len(queue))):
+            popitem(last=False)
 
     # -- tiers.GpuPool ---------------------------------------------------------------------
 
@@ -168,6 +169,13 @@ class LruOrder(LruQueue):
             raise ValueError("LruOrder keeps evictable keys only")
         self[key] = None
         self.move_to_end(key)
+
+    def insert_many(self, keys: Iterable[int]) -> None:
+        """``insert`` of each key in turn (``HostOrder.insert_many``: a held key is touched)."""
+        move = self.move_to_end
+        for key in keys:
+            self[key] = None
+            move(key)
 
     def touch(self, keys_head_to_tail: Iterable[int]) -> None:
         """A request used these keys: the tail gets the older rank, so it is evicted first."""
@@ -331,8 +339,7 @@ class ShadowTiers:
             protected = {b for b in offered if b in host}
             if host.evict(excess, protected) is None:
                 return  # not enough to evict: nothing is stored
-        for block in new:
-            host.insert(block, evictable=True)
+        host.insert_many(new)  # (none of them held: each inserted, evictable)
 
     def hold(self, sampled: tuple[int, ...]) -> None:
         """A running request cached these blocks (its output): held until it finishes."""

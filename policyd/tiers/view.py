@@ -46,7 +46,8 @@ class SnapshotView:
         ``top`` (at least the GPU plan's rank and pin caps). Runs on the connector's client
         thread, so the GPU plan on vLLM's thread starts from a ready ranking."""
         scores = score_map(snap.scores)
-        host_scores = scores if snap.host_scores is None else score_map(snap.host_scores)
+        host = snap.host_scores  # (one tuple for both tiers: one index)
+        host_scores = scores if host is None or host is snap.scores else score_map(host)
         return cls(
             version=snap.version,
             policy=snap.policy,
