@@ -21,6 +21,7 @@ from policyd.core.types import (
 from policyd.policies.agentkv import AgentKV
 from policyd.policies.pbkv import PBKV, RETIRED_SCORE
 from policyd.sim.replay import SimConfig, Simulator
+from policyd.tiers.view import SnapshotView
 from policyd.workloads import make_workload
 from tests.test_agentkv import Clock, finish, press, solo_call, start, trained
 
@@ -89,6 +90,13 @@ def test_while_degraded_and_not_thrashing_both_orders_agree() -> None:
     assert policy.degraded and policy.ranking == "steps"
     assert snap.write_filter is not None and not snap.write_filter.pressure
     assert _scores(snap.host_scores) == _scores(snap.scores)
+    # one ranking orders both tiers: one tuple in the snapshot, one index in the view
+    assert snap.host_scores is snap.scores
+    view = SnapshotView.of(snap)
+    assert view.host_scores is view.scores
+    decoded = SNAPSHOT_CODEC.decode(SNAPSHOT_CODEC.encode(snap))  # off the wire: two tuples
+    assert decoded.host_scores is not decoded.scores
+    assert dict(SnapshotView.of(decoded).host_scores) == dict(view.scores)
 
 
 def test_admission_values_a_prompt_in_the_host_order() -> None:
