@@ -13,12 +13,14 @@ import dataclasses
 import itertools
 import json
 import math
+import multiprocessing
 import shlex
 import statistics
 import sys
 import textwrap
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,22 +113,95 @@ def default_loader(seed: int, streams: int | None = None) -> WorkloadLoader:
     return load
 
 
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """One policy's replay at one point of a spec: the policy as the spec labels it (a variant,
+    a noise level), the registered policy and its parameters, and the replay's settings."""
+
+    point: int  # its index in ``spec.points()``
+    workload: str
+    label: str
+    policy: str
+    params: dict[str, Any] | None
+    config: SimConfig
+
+
+def replays(spec: BenchSpec) -> list[Replay]:
+    """Every replay of ``spec``, point by point: lru first (its order of calls seeds belady's
+    oracle, so it records its requests), then belady, the other policies, pbkv's noise levels."""
+    lru_first = ["lru"] if "lru" in spec.policies else []
+    policies = list(dict.fromkeys([*lru_first, "belady", *spec.policies]))
+    out: list[Replay] = []
+    for i, (name, concurrency, gpu_blocks, host_blocks) in enumerate(spec.points()):
+        config = SimConfig(
+            concurrency=concurrency,
+            gpu_blocks=gpu_blocks,
+            host_blocks=host_blocks,
+            profile=spec.profile,
+            snapshot_interval_s=spec.snapshot_interval_s,
+            max_ranked_blocks=spec.max_ranked_blocks,
+            max_pinned_blocks=spec.max_pinned_blocks,
+            step_ops=spec.step_ops,
+        )
+        for label in policies:
+            base_name, params = policy_variant(label)
+            recording = dataclasses.replace(config, record_requests=label == "lru")
+            out.append(Replay(i, name, label, base_name, params or None, recording))
+        out += [
+            Replay(i, name, f"pbkv noise={level:g}", "pbkv", {"noise": level}, config)
+            for level in spec.noise
+        ]
+    return out
+
+
+def replay(
+    run: Replay, workload: Workload, lru: Report | None, progress: Callable[[int], None] | None
+) -> Report:
+    """``run`` on ``workload``; belady takes the order of calls from ``lru``'s records."""
+    report = simulate(
+        workload,
+        run.policy,
+        run.config,
+        progress=progress,
+        lru_report=lru if run.policy == "belady" else None,
+        policy_params=run.params,
+    )
+    report.policy = run.label
+    return report
+
+
+_WORKER_WORKLOADS: dict[tuple[str, int, int | None], Workload] = {}  # a worker's loaded ones
+
+
+def _replay_in_worker(run: Replay, seed: int, streams: int | None, lru: Report | None) -> Report:
+    """``replay`` in a worker process, the workload loaded there once (``default_loader``)."""
+    key = (run.workload, seed, streams)
+    workload = _WORKER_WORKLOADS.get(key)
+    if workload is None:
+        workload = _WORKER_WORKLOADS[key] = default_loader(seed, streams)(run.workload)
+    return replay(run, workload, lru, None)
+
+
 def run_bench(
     spec: BenchSpec,
     *,
     load: WorkloadLoader | None = None,
     console: Console | None = None,
     show_progress: bool = True,
+    jobs: int = 1,
 ) -> list[Report]:
-    """Run every point of ``spec``; returns one report per (point, policy), belady included."""
+    """Run every point of ``spec``; returns one report per (point, policy), belady included.
+    ``jobs`` > 1 runs the replays in that many worker processes (each loads the workloads it
+    replays; belady starts once its point's lru has run): the same reports, in the same order.
+    """
+    if jobs < 1:
+        raise ValueError(f"--jobs must be at least 1, got {jobs}")
+    if jobs > 1 and load is not None:
+        raise ValueError("replays in worker processes load the workloads by name: no custom load")
     load = load or default_loader(spec.seed, spec.streams)
     loaded = {name: load(name) for name in spec.workloads}
-    # lru first (its order of calls seeds belady's oracle), then belady, then the rest
-    lru_first = ["lru"] if "lru" in spec.policies else []
-    policies = list(dict.fromkeys([*lru_first, "belady", *spec.policies]))
-    runs_per_point = len(policies) + len(spec.noise)
-    total_calls = sum(loaded[point[0]].calls for point in spec.points()) * runs_per_point
-    reports: list[Report] = []
+    runs = replays(spec)
+    total_calls = sum(loaded[run.workload].calls for run in runs)
     progress = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -137,51 +212,85 @@ def run_bench(
         disable=not show_progress,
         transient=True,
     )
+    done: dict[tuple[int, str], Report] = {}
     with progress:
         task = progress.add_task("replaying", total=total_calls)
-        for name, concurrency, gpu_blocks, host_blocks in spec.points():
-            config = SimConfig(
-                concurrency=concurrency,
-                gpu_blocks=gpu_blocks,
-                host_blocks=host_blocks,
-                profile=spec.profile,
-                snapshot_interval_s=spec.snapshot_interval_s,
-                max_ranked_blocks=spec.max_ranked_blocks,
-                max_pinned_blocks=spec.max_pinned_blocks,
-                step_ops=spec.step_ops,
-            )
-            point: dict[str, Report] = {}
-            for policy in policies:
-                progress.update(task, description=escape(f"{name} C={concurrency} {policy}"))
-                base_name, params = policy_variant(policy)
-                point[policy] = simulate(
-                    loaded[name],
-                    base_name,
-                    dataclasses.replace(config, record_requests=policy == "lru"),
-                    progress=lambda n: progress.advance(task, n),
-                    lru_report=point.get("lru"),
-                    policy_params=params or None,
+        if jobs == 1:
+            for run in runs:
+                description = f"{run.workload} C={run.config.concurrency} {run.label}"
+                progress.update(task, description=escape(description))
+                report = replay(
+                    run,
+                    loaded[run.workload],
+                    done.get((run.point, "lru")),
+                    lambda n: progress.advance(task, n),
                 )
-                point[policy].policy = policy
-            for level in spec.noise:
-                label = f"pbkv noise={level:g}"
-                progress.update(task, description=f"{name} C={concurrency} {label}")
-                point[label] = simulate(
-                    loaded[name],
-                    "pbkv",
-                    config,
-                    progress=lambda n: progress.advance(task, n),
-                    policy_params={"noise": level},
-                )
-                point[label].policy = label
-            best = point["belady"].hit_rate
-            for report in point.values():
-                report.records.clear()
-                report.belady_fraction = report.hit_rate / best if best > 0 else None
-            labels = [*spec.policies, *(f"pbkv noise={x:g}" for x in spec.noise)]
-            reports.extend(point[p] for p in labels if p in point)
-            if "belady" not in spec.policies:
-                reports.append(point["belady"])
+                _keep(done, run, report)
+        else:
+            progress.update(task, description=f"{len(runs)} replays in {jobs} processes")
+
+            def finished(run: Replay, report: Report) -> None:
+                _keep(done, run, report)
+                progress.advance(task, loaded[run.workload].calls)
+
+            _run_in_processes(spec, runs, jobs, finished)
+    return _by_point(spec, runs, done)
+
+
+def _keep(done: dict[tuple[int, str], Report], run: Replay, report: Report) -> None:
+    """``run``'s report; once its point's belady has run, lru's records are needed no more."""
+    done[run.point, run.label] = report
+    lru = done.get((run.point, "lru")) if run.policy == "belady" else None
+    if lru is not None:
+        lru.records.clear()
+
+
+def _run_in_processes(
+    spec: BenchSpec, runs: Sequence[Replay], jobs: int, finished: Callable[[Replay, Report], None]
+) -> None:
+    """Every run in ``jobs`` worker processes (spawned: no fork of this process's threads),
+    each belady once its point's lru has finished; ``finished`` as each one does."""
+    lru_points = {run.point for run in runs if run.label == "lru"}
+    waiting = {run.point: run for run in runs if run.policy == "belady" and run.point in lru_points}
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        pending: dict[Future[Report], Replay] = {}
+
+        def submit(run: Replay, lru: Report | None) -> None:
+            pending[pool.submit(_replay_in_worker, run, spec.seed, spec.streams, lru)] = run
+
+        for run in runs:
+            if waiting.get(run.point) is not run:  # (belady waits for its point's lru)
+                submit(run, None)
+        try:
+            while pending:
+                complete, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in complete:
+                    run = pending.pop(future)
+                    report = future.result()
+                    if run.label == "lru" and run.point in waiting:
+                        submit(waiting.pop(run.point), report)
+                    finished(run, report)
+        except BaseException:  # a replay failed (or ^C): the others are not waited for
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+
+
+def _by_point(
+    spec: BenchSpec, runs: Sequence[Replay], done: Mapping[tuple[int, str], Report]
+) -> list[Report]:
+    """The reports in the spec's order, each as a fraction of its point's belady."""
+    reports: list[Report] = []
+    labels = [*spec.policies, *(f"pbkv noise={x:g}" for x in spec.noise)]
+    for i in range(len(spec.points())):
+        point = {run.label: done[i, run.label] for run in runs if run.point == i}
+        best = point["belady"].hit_rate
+        for report in point.values():
+            report.records.clear()
+            report.belady_fraction = report.hit_rate / best if best > 0 else None
+        reports.extend(point[p] for p in labels if p in point)
+        if "belady" not in spec.policies:
+            reports.append(point["belady"])
     return reports
 
 
@@ -658,7 +767,9 @@ def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         ]
         reproduce = reproduce_command(argv)
         for spec in specs:  # (each seed's tables as soon as it has run)
-            reports = by_seed[spec.seed] = run_bench(spec, show_progress=not args.no_progress)
+            reports = by_seed[spec.seed] = run_bench(
+                spec, show_progress=not args.no_progress, jobs=args.jobs
+            )
             if not quiet:
                 _print_seed(console, reports, _title(spec.profile, spec.seed, len(specs)))
     if not quiet:

@@ -359,3 +359,35 @@ def test_bench_without_agentkv_prints_no_comparison_table(capsys):
     out = capsys.readouterr().out
     assert "policyd bench - profile h200-llama3.1-8b" in out
     assert "vs the best baseline" not in out
+
+
+def _measured(report: Report) -> dict[str, object]:
+    """A report's figures but its timings."""
+    return {k: v for k, v in report.to_json().items() if k not in ("wall_s", "refs_per_s")}
+
+
+def test_replays_in_worker_processes_report_what_one_process_reports():
+    """``--jobs``: the same reports in the same order, belady's oracle from its point's lru."""
+    several = spec(
+        streams=8,
+        policies=["lru", "pbkv", "agentkv"],
+        concurrency=[4, 8],
+        gpu_blocks=[1500],
+        host_blocks=[0, 1500],
+        noise=[1.0],
+    )
+    alone = run_bench(several, show_progress=False)
+    spread = run_bench(several, show_progress=False, jobs=2)
+    assert [r.policy for r in spread] == [r.policy for r in alone]
+    assert [_measured(r) for r in spread] == [_measured(r) for r in alone]
+    assert len(alone) == 4 * 5 and all(r.belady_fraction is not None for r in spread)
+
+
+def test_jobs_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="at least 1"):
+        run_bench(spec(), show_progress=False, jobs=0)
+    with pytest.raises(ValueError, match="custom load"):
+        run_bench(spec(), load=small, show_progress=False, jobs=2)
+    # a replay that fails in a worker fails the bench with its own error
+    with pytest.raises(ValueError, match="raise the GPU capacity"):
+        run_bench(spec(streams=8, gpu_blocks=[10]), show_progress=False, jobs=2)

@@ -157,6 +157,14 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="replays in N worker processes at once (default 1: in this process); the same "
+        "reports, sooner on a machine with the cores",
+    )
+    bench.add_argument(
         "--sweep",
         choices=["concurrency"],
         help="sweep concurrency (default 1,2,4,...,128 unless --concurrency is given) and plot it",
