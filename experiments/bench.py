@@ -14,6 +14,8 @@ import itertools
 import json
 import math
 import multiprocessing
+import multiprocessing.queues
+import queue
 import shlex
 import statistics
 import sys
@@ -170,16 +172,23 @@ def replay(
     return report
 
 
-_WORKER_WORKLOADS: dict[tuple[str, int, int | None], Workload] = {}  # a worker's loaded ones
+# a worker process's state: the workloads it has loaded, and where it reports calls replayed
+_WORKER_WORKLOADS: dict[tuple[str, int, int | None], Workload] = {}
+_WORKER_CALLS: list[multiprocessing.queues.Queue[int]] = []
+
+
+def _start_worker(calls: multiprocessing.queues.Queue[int]) -> None:
+    _WORKER_CALLS.append(calls)
 
 
 def _replay_in_worker(run: Replay, seed: int, streams: int | None, lru: Report | None) -> Report:
-    """``replay`` in a worker process, the workload loaded there once (``default_loader``)."""
+    """``replay`` in a worker process, the workload loaded there once (``default_loader``),
+    the calls it replays put on the queue the worker was started with as it goes."""
     key = (run.workload, seed, streams)
     workload = _WORKER_WORKLOADS.get(key)
     if workload is None:
         workload = _WORKER_WORKLOADS[key] = default_loader(seed, streams)(run.workload)
-    return replay(run, workload, lru, None)
+    return replay(run, workload, lru, _WORKER_CALLS[0].put)
 
 
 def run_bench(
@@ -228,12 +237,13 @@ def run_bench(
                 _keep(done, run, report)
         else:
             progress.update(task, description=f"{len(runs)} replays in {jobs} processes")
-
-            def finished(run: Replay, report: Report) -> None:
-                _keep(done, run, report)
-                progress.advance(task, loaded[run.workload].calls)
-
-            _run_in_processes(spec, runs, jobs, finished)
+            _run_in_processes(
+                spec,
+                runs,
+                jobs,
+                lambda run, report: _keep(done, run, report),
+                lambda n: progress.advance(task, n),
+            )
     return _by_point(spec, runs, done)
 
 
@@ -246,14 +256,30 @@ def _keep(done: dict[tuple[int, str], Report], run: Replay, report: Report) -> N
 
 
 def _run_in_processes(
-    spec: BenchSpec, runs: Sequence[Replay], jobs: int, finished: Callable[[Replay, Report], None]
+    spec: BenchSpec,
+    runs: Sequence[Replay],
+    jobs: int,
+    finished: Callable[[Replay, Report], None],
+    replayed: Callable[[int], None],
 ) -> None:
     """Every run in ``jobs`` worker processes (spawned: no fork of this process's threads),
-    each belady once its point's lru has finished; ``finished`` as each one does."""
+    each belady once its point's lru has finished; ``finished`` as each one does, and
+    ``replayed`` with the calls the workers report as they go."""
     lru_points = {run.point for run in runs if run.label == "lru"}
     waiting = {run.point: run for run in runs if run.policy == "belady" and run.point in lru_points}
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+    calls: multiprocessing.queues.Queue[int] = context.Queue()
+
+    def drain() -> None:
+        while True:
+            try:
+                replayed(calls.get_nowait())
+            except queue.Empty:
+                return
+
+    with ProcessPoolExecutor(
+        max_workers=jobs, mp_context=context, initializer=_start_worker, initargs=(calls,)
+    ) as pool:
         pending: dict[Future[Report], Replay] = {}
 
         def submit(run: Replay, lru: Report | None) -> None:
@@ -264,7 +290,8 @@ def _run_in_processes(
                 submit(run, None)
         try:
             while pending:
-                complete, _ = wait(pending, return_when=FIRST_COMPLETED)
+                complete, _ = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
+                drain()
                 for future in complete:
                     run = pending.pop(future)
                     report = future.result()
@@ -274,6 +301,7 @@ def _run_in_processes(
         except BaseException:  # a replay failed (or ^C): the others are not waited for
             pool.shutdown(wait=False, cancel_futures=True)
             raise
+    drain()  # (what the last replays put before they returned)
 
 
 def _by_point(

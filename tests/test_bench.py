@@ -7,7 +7,14 @@ import json
 import pytest
 from rich.console import Console
 
-from experiments.bench import BenchSpec, across_seeds, run_bench, seed_summaries
+from experiments.bench import (
+    BenchSpec,
+    _run_in_processes,
+    across_seeds,
+    replays,
+    run_bench,
+    seed_summaries,
+)
 from experiments.bench import main as python_m_bench
 from policyd.cli import build_parser, main
 from policyd.sim.report import Report
@@ -391,3 +398,20 @@ def test_jobs_refuses_what_it_cannot_run():
     # a replay that fails in a worker fails the bench with its own error
     with pytest.raises(ValueError, match="raise the GPU capacity"):
         run_bench(spec(streams=8, gpu_blocks=[10]), show_progress=False, jobs=2)
+
+
+def test_workers_report_every_call_they_replay():
+    """The progress of ``--jobs``: each worker puts the calls it replays on a queue, as the
+    replay reports them (every 256 calls on the Python model, at the end on the compiled one)."""
+    several = spec(streams=8, policies=["lru", "pbkv"], host_blocks=[0, 1500])
+    done: dict[tuple[int, str], Report] = {}
+    counted: list[int] = []
+    _run_in_processes(
+        several,
+        replays(several),
+        2,
+        lambda run, report: done.__setitem__((run.point, run.label), report),
+        counted.append,
+    )
+    assert len(done) == 2 * 3
+    assert sum(counted) == sum(report.requests for report in done.values())
