@@ -307,14 +307,14 @@ def _run_in_processes(
 def _by_point(
     spec: BenchSpec, runs: Sequence[Replay], done: Mapping[tuple[int, str], Report]
 ) -> list[Report]:
-    """The reports in the spec's order, each as a fraction of its point's belady."""
+    """The reports in the spec's order, each as a fraction of its point's belady (none holds
+    records: only lru's did, dropped by ``_keep`` once its point's belady ran)."""
     reports: list[Report] = []
     labels = [*spec.policies, *(f"pbkv noise={x:g}" for x in spec.noise)]
     for i in range(len(spec.points())):
         point = {run.label: done[i, run.label] for run in runs if run.point == i}
         best = point["belady"].hit_rate
         for report in point.values():
-            report.records.clear()
             report.belady_fraction = report.hit_rate / best if best > 0 else None
         reports.extend(point[p] for p in labels if p in point)
         if "belady" not in spec.policies:

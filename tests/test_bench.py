@@ -388,6 +388,7 @@ def test_replays_in_worker_processes_report_what_one_process_reports():
     assert [r.policy for r in spread] == [r.policy for r in alone]
     assert [_measured(r) for r in spread] == [_measured(r) for r in alone]
     assert len(alone) == 4 * 5 and all(r.belady_fraction is not None for r in spread)
+    assert not any(r.records for r in [*alone, *spread])  # (lru's dropped once belady ran)
 
 
 def test_jobs_refuses_what_it_cannot_run():
