@@ -23,6 +23,7 @@ from policyd.core.types import (
     score_map,
 )
 from policyd.policies import lifecycle as lifecycle_module
+from policyd.policies import rankings
 from policyd.policies.lifecycle import RETIRED_SCORE, Lifecycle, RetiredMark
 from policyd.policies.rankings import disjoint
 
@@ -134,3 +135,46 @@ def test_a_score_map_outlives_the_next_snapshot() -> None:
     assert first[1] == 1.0 and second[1] == RETIRED_SCORE
     with pytest.raises(KeyError):
         _ = second[2]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([0.5, 1.0, 2.0]),
+            st.lists(st.integers(1, 12), max_size=8).map(tuple),
+        ),
+        max_size=6,
+    )
+)
+def test_groups_are_said_once_when_published_only(raw: list[tuple[float, tuple[int, ...]]]) -> None:
+    """``disjoint`` leaves the groups as given until a snapshot publishes them: then each block
+    is in the last group naming it, at its first place there, and an emptied group is gone.
+    The scores never need that walk (the guard's shadows read only them)."""
+    groups = [ScoredBlocks(score, blocks) for score, blocks in raw]
+    once = [
+        ScoredBlocks(score, kept)
+        for i, (score, blocks) in enumerate(raw)
+        if (
+            kept := tuple(
+                b for b in dict.fromkeys(blocks) if not any(b in later for _, later in raw[i + 1 :])
+            )
+        )
+    ]
+    lifecycle = Lifecycle()
+    calls: list[int] = []
+    said_once = rankings._said_once
+
+    def counted(g: tuple[ScoredBlocks, ...]) -> tuple[ScoredBlocks, ...]:
+        calls.append(len(g))
+        return said_once(g)
+
+    with patch.object(rankings, "_said_once", counted):
+        ranked = disjoint(groups, lifecycle.mark())
+        assert dict(ranked.scores) == score_map(groups)
+        assert not calls  # the scores alone: no walk
+        published = ranked.published(lifecycle)
+        ranked.published(lifecycle)
+    repeated = sum(len(g.block_hashes) for g in groups) != len(score_map(groups))
+    assert len(calls) == (1 if repeated else 0)  # at most once, when a block repeats
+    assert published == (tuple(once) if repeated else tuple(groups))

@@ -69,19 +69,34 @@ def to_groups(values: Values, state: EngineState) -> list[ScoredBlocks]:
     return groups
 
 
-class Ranked(NamedTuple):
+class Ranked:
     """A snapshot's order: its live groups (each block once) and every block's score
-    (``scores``: the groups', ``RETIRED_SCORE`` for the retired blocks no group names)."""
+    (``scores``: the groups', ``RETIRED_SCORE`` for the retired blocks no group names).
 
-    groups: tuple[ScoredBlocks, ...]
-    scores: ScoreMap
+    ``groups`` is said once only when asked (``published``): most snapshots are not
+    published as they are computed (the guard publishes another arm), and only a published
+    one needs its blocks said once, an O(blocks) walk where prompts share blocks."""
+
+    __slots__ = ("_groups", "_once", "scores")
+
+    def __init__(self, groups: tuple[ScoredBlocks, ...], scores: ScoreMap, *, once: bool) -> None:
+        self._groups = groups
+        self._once = once  # each block is in one group already
+        self.scores = scores
+
+    @property
+    def groups(self) -> tuple[ScoredBlocks, ...]:
+        if not self._once:
+            self._groups, self._once = _said_once(self._groups), True
+        return self._groups
 
     def published(self, lifecycle: Lifecycle) -> tuple[ScoredBlocks, ...]:
         """The order as a snapshot says it: the groups, then the retired blocks no group names
         (``lifecycle.group``, which can hold every block a tier keeps: built only for a
         snapshot that is published, when it is taken)."""
-        retired = lifecycle.group(self.groups)
-        return self.groups if retired is None else (*self.groups, retired)
+        groups = self.groups
+        retired = lifecycle.group(groups)
+        return groups if retired is None else (*groups, retired)
 
 
 def disjoint(groups: Sequence[ScoredBlocks], retired: RetiredMark) -> Ranked:
@@ -100,9 +115,13 @@ ScoredBlocks(score=-1.0, block_hashes=(9,)))
     (2.0, -1.0, 0.0, [1, 2, 3, 9])
     """
     live = score_map(groups)
-    scores = ScoreMap(live, retired)
-    if len(live) == sum(len(g.block_hashes) for g in groups):
-        return Ranked(tuple(groups), scores)
+    once = len(live) == sum(len(g.block_hashes) for g in groups)
+    return Ranked(tuple(groups), ScoreMap(live, retired), once=once)
+
+
+def _said_once(groups: tuple[ScoredBlocks, ...]) -> tuple[ScoredBlocks, ...]:
+    """``groups`` with each block in the last group naming it, at its first place there
+    (groups left empty dropped)."""
     claimed: set[int] = set()
     unique: list[ScoredBlocks] = []
     for group in reversed(groups):
@@ -110,7 +129,7 @@ ScoredBlocks(score=-1.0, block_hashes=(9,)))
         claimed.update(blocks)
         if blocks:
             unique.append(ScoredBlocks(group.score, blocks))
-    return Ranked(tuple(reversed(unique)), scores)
+    return tuple(reversed(unique))
 
 
 _D = TypeVar("_D")
