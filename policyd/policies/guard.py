@@ -22,6 +22,15 @@ squares: one window alone never switches, the windows of a phase are correlated)
 ``tolerance`` of the recency shadow's hits in those windows. With two arms (recency and
 learned) that is one CUSUM of the evidence against what is published.
 
+Such an arm is *nominated*, not yet published: its shadow won on the contents it built while
+it was not published, which the real tiers do not hold. Its **trial** is a shadow forked from
+the published arm's (``ShadowTiers.forked``: the real tiers as a switch would leave them)
+that follows the nominee's snapshots from then on, so its hits count the switch's cost too.
+The nominee is published once the trial's own wins over the published arm (a plain sum since
+the fork) pass the same margin; the trial ends if the arm stops being the nominee. At the
+switch the newly published arm's shadow is forked anew from the published one's, so the
+published shadow follows the real tiers' contents, not the arm's history.
+
 It starts in recency: until the sample says a candidate wins, vLLM's default is what runs, so a
 workload where they only tie (GPU-only chats, say) gets exactly vLLM's behaviour.
 
@@ -33,8 +42,8 @@ LRU order, EfficientAgent's decision - gives the guard an arm to win with whose 
 come on such credit (docs/RESULTS.md, *The recency guard*).
 
 Because every shadow follows its arm's snapshots while another arm is published, an arm that
-starts winning is switched to as soon as its wins clear the margin, without probing on the real
-tiers. The shadows hold a running request's blocks, its prompt's and those it caches as it
+starts winning is nominated as soon as its wins clear the margin, and tried without probing on
+the real tiers. The shadows hold a running request's blocks, its prompt's and those it caches as it
 decodes (``BlocksStored`` on the GPU), until it finishes, as vLLM's pool does.
 
 The real tiers' hits (``PrefixHit``) are compared with the shadow of what was published, as a
@@ -88,6 +97,7 @@ class GuardCounters:
     default_shadow_hits: int = 0  # and the recency (vLLM's default) shadow
     filter_shadow_hits: int = 0  # and the filter arm's (when the policy has one)
     real_hits: int = 0  # sampled blocks the real tiers hit (requests that reported one)
+    trials: int = 0  # nominated arms tried (a shadow forked from the published one's)
     shadow_hits: int = 0  # what the shadow of the published decisions hit on those requests
 
 
@@ -111,14 +121,21 @@ _ARM_COUNTERS: Final = {
 
 
 class _Evidence:
-    """Page's CUSUM of one arm's wins over the published arm, with what its margin needs."""
+    """Page's CUSUM of one arm's wins over the published arm, with what its margin needs;
+    ``cumulative``: the plain sum instead (a trial's: its losses since the fork count)."""
 
-    __slots__ = ("base", "squares", "total")
+    __slots__ = ("base", "cumulative", "squares", "total")
 
-    def __init__(self) -> None:
+    def __init__(self, *, cumulative: bool = False) -> None:
         self.total = self.squares = self.base = 0.0
+        self.cumulative = cumulative
 
     def add(self, difference: float, recency_hits: float) -> None:
+        if self.cumulative:
+            self.total += difference
+            self.squares += difference * difference
+            self.base += recency_hits
+            return
         self.total = max(0.0, self.total + difference)
         self.squares = self.squares + difference * difference if self.total > 0 else 0.0
         self.base = self.base + recency_hits if self.total else 0.0
@@ -127,6 +144,19 @@ class _Evidence:
         """How far the evidence is past its margin (positive: a switch)."""
         spread: float = self.squares**0.5
         return self.total - (confidence * spread + tolerance * self.base)
+
+
+class _Trial:
+    """A nominated arm on trial: its shadow forked from the published arm's, the sampled blocks
+    it hit in the window so far, and the plain sum of its wins since the fork."""
+
+    __slots__ = ("arm", "evidence", "hits", "shadow")
+
+    def __init__(self, arm: str, shadow: ShadowTiers) -> None:
+        self.arm = arm
+        self.shadow = shadow
+        self.hits = 0
+        self.evidence = _Evidence(cumulative=True)
 
 
 class RecencyGuard:
@@ -181,6 +211,11 @@ class RecencyGuard:
         self._window_refs = self._window_requests = 0
         self._window_hits = dict.fromkeys(self.arms, 0)
         self._reported = (0, 0)  # real and shadow hits counted when the last window closed
+        self._trial: _Trial | None = None
+        # each arm's last snapshot, for a shadow forked for it (a trial, or at a switch)
+        self._last: dict[
+            str, tuple[PolicySnapshot, Mapping[int, float], Mapping[int, float] | None]
+        ] = {}
 
     @property
     def learned(self) -> bool:
@@ -212,6 +247,7 @@ class RecencyGuard:
         self._active = reach > 0
         self._pending.clear()
         self._running.clear()
+        self._trial = None
 
     @property
     def rate(self) -> float:
@@ -249,9 +285,20 @@ class RecencyGuard:
         published."""
         if self._active:
             self.shadows[arm].adopt(snapshot, scores, host_scores)
+            self._last[arm] = (snapshot, scores, host_scores)
+            trial = self._trial
+            if trial is not None and trial.arm == arm:
+                trial.shadow.adopt(snapshot, scores, host_scores)
+
+    def _shadows(self) -> list[ShadowTiers]:
+        """Every shadow that follows the traffic: the arms' and a trial's."""
+        shadows = list(self.shadows.values())
+        if self._trial is not None:
+            shadows.append(self._trial.shadow)
+        return shadows
 
     def _finished(self, request_id: str, sampled: tuple[int, ...]) -> None:
-        for shadow in self.shadows.values():
+        for shadow in self._shadows():
             shadow.finish(request_id, sampled)
 
     def _stored(self, request_id: str, blocks: tuple[int, ...]) -> None:
@@ -261,7 +308,7 @@ class RecencyGuard:
         known = set(held)
         new = tuple(b for i in self.sampler.positions(blocks) if (b := blocks[i]) not in known)
         if new:
-            for shadow in self.shadows.values():
+            for shadow in self._shadows():
                 shadow.hold(new)
             self._running[request_id] = held + new
 
@@ -278,6 +325,9 @@ class RecencyGuard:
             arm: shadow.start(event.request_id, wf, sampled, positions, len(blocks))
             for arm, shadow in self.shadows.items()
         }
+        trial = self._trial
+        if trial is not None:
+            trial.hits += trial.shadow.start(event.request_id, wf, sampled, positions, len(blocks))
         if len(self._pending) >= MAX_OPEN_REQUESTS:  # never reported: forget the oldest
             self._pending.pop(next(iter(self._pending)))
         if len(self._running) >= MAX_OPEN_REQUESTS:  # never finished: its blocks let go
@@ -311,8 +361,9 @@ class RecencyGuard:
         """Each other arm's difference with the published one added to its evidence (Page's
         CUSUM, held at zero or above); the arm furthest past its margin (``confidence``
         standard deviations of its evidence and ``tolerance`` of the recency shadow's hits in
-        its windows), if any, is published next, and every sum starts again. Old wins do not
-        shield a new loss: the sums forget what went the published way."""
+        its windows), if any, is the nominee, and is published once its trial passes the same
+        margin (``_try``); then every sum starts again. Old wins do not shield a new loss: the
+        sums forget what went the published way."""
         published, hits = self.published, self._window_hits
         c = self.counters
         c.windows += 1
@@ -328,11 +379,8 @@ class RecencyGuard:
                 best, best_excess = arm, excess
         self._window_refs = self._window_requests = 0
         self._window_hits = dict.fromkeys(self.arms, 0)
-        if best != published and self.pinned is None:
-            self.published = best
-            self._evidence = {arm: _Evidence() for arm in self.arms}
-            switches = _ARM_COUNTERS[best][1]
-            setattr(c, switches, getattr(c, switches) + 1)
+        if self.pinned is None:
+            self._try(best, hits)
         if self.journal is not None:
             real, shadow = self._reported
             self.journal.append(
@@ -341,6 +389,38 @@ class RecencyGuard:
                 )
             )
         self._reported = (c.real_hits, c.shadow_hits)
+
+    def _try(self, nominee: str, hits: dict[str, int]) -> None:
+        """The trial's window added to its sum; past its margin, its arm is published (and
+        that arm's shadow forked anew from the published one's: where the real tiers stand
+        now). A trial whose arm is no longer the nominee ends; a nominee without one starts
+        one, forked from the published arm's shadow."""
+        published, trial = self.published, self._trial
+        if trial is not None:
+            trial.evidence.add(trial.hits - hits[published], hits[RECENCY])
+            trial.hits = 0
+            if trial.arm != nominee:
+                self._trial = trial = None
+            elif trial.evidence.excess(self.confidence, self.tolerance) > 0:
+                self._trial = None
+                self.shadows[trial.arm] = self._forked(trial.arm, self.shadows[published])
+                self.published = trial.arm
+                self._evidence = {arm: _Evidence() for arm in self.arms}
+                c = self.counters
+                switches = _ARM_COUNTERS[trial.arm][1]
+                setattr(c, switches, getattr(c, switches) + 1)
+                return
+        if trial is None and nominee != published:
+            self.counters.trials += 1
+            self._trial = _Trial(nominee, self._forked(nominee, self.shadows[published]))
+
+    def _forked(self, arm: str, source: ShadowTiers) -> ShadowTiers:
+        """A shadow of ``arm`` holding what ``source`` holds, under the arm's last snapshot."""
+        shadow = ShadowTiers.forked(source, host_ordered=arm == LEARNED)
+        last = self._last.get(arm)
+        if last is not None:
+            shadow.adopt(*last)
+        return shadow
 
     def state(self) -> dict[str, object]:
         """For stats and the dashboard."""

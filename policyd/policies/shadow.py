@@ -236,6 +236,26 @@ class ShadowTiers:
         self._credit = 0.0
         self._host_writes = {}
 
+    @classmethod
+    def forked(cls, source: ShadowTiers, *, host_ordered: bool) -> ShadowTiers:
+        """A shadow holding what ``source`` holds now - its tiers' blocks in their order, the
+        running requests' blocks and their pending host writes - with no snapshot and no pins:
+        the real tiers as a switch to another arm would find them."""
+        new = cls(host_ordered=host_ordered)
+        new.configure(
+            gpu_capacity=source.gpu.capacity, host_capacity=source.host_capacity, rate=source.rate
+        )
+        pool = new.gpu
+        pool.refs = dict(source.gpu.refs)
+        pool.free_queue = OrderedDict(source.gpu.free_queue)
+        pool.free(list(source.applier.pinned))  # its pins let go, as the connector would
+        host = source.host  # its blocks from least to most recent, as ``insert_many`` takes them
+        new.host.insert_many(host.by_recency() if isinstance(host, HostOrder) else list(host))
+        new.ownership = source.ownership.copy()
+        new._credit = source._credit
+        new._host_writes = dict(source._host_writes)
+        return new
+
     def _new_host(self) -> HostOrder[int] | LruOrder:
         return HostOrder(_same) if self.host_ordered else LruOrder()
 

@@ -344,6 +344,10 @@ class HostOrder(Generic[K]):
         """An evictable key's priority as the heap holds it now (None: not evictable)."""
         return self._prio.get(key)
 
+    def by_recency(self) -> list[K]:
+        """Every key, least recently used first (O(n log n))."""
+        return sorted(self._rank, key=self._rank.__getitem__)
+
     def peek_order(self) -> list[K]:
         """Every evictable key, first victim first (tests and debugging; O(n log n))."""
         if self._plain:

@@ -186,6 +186,23 @@ class Ownership:
         # test membership and pop, which are atomic)
         self._lock = threading.Lock()
 
+    def copy(self) -> Ownership:
+        """An independent copy of what it knows now (a shadow forked from another's)."""
+        new = Ownership(self.max_workflows)
+        with self._lock:
+            new._blocks = OrderedDict((w, set(b)) for w, b in self._blocks.items())
+            new._seen = dict(self._seen)
+            new._clock = count(max(self._seen.values(), default=-1) + 1)
+            new._owners = dict(self._owners)
+            new._retired_owners = dict(self._retired_owners)
+            new._retired_workflows = set(self._retired_workflows)
+            new._dead = set(self._dead)
+            new.fresh = deque(self.fresh, maxlen=self.fresh.maxlen)
+            new._recounting = self._recounting
+            new._epoch = self._epoch
+            new._listed = self._listed
+        return new
+
     @property
     def dead(self) -> AbstractSet[int]:
         """The retired blocks now (a live set)."""
