@@ -42,9 +42,9 @@ LRU order, EfficientAgent's decision - gives the guard an arm to win with whose 
 come on such credit (docs/RESULTS.md, *The recency guard*).
 
 Because every shadow follows its arm's snapshots while another arm is published, an arm that
-starts winning is nominated as soon as its wins clear the margin, and tried without probing on
-the real tiers. The shadows hold a running request's blocks, its prompt's and those it caches as it
-decodes (``BlocksStored`` on the GPU), until it finishes, as vLLM's pool does.
+starts winning is nominated as soon as its wins clear the margin, and tried without probing
+on the real tiers. The shadows hold a running request's blocks, its prompt's and those it
+caches as it decodes (``BlocksStored`` on the GPU), until it finishes, as vLLM's pool does.
 
 The real tiers' hits (``PrefixHit``) are compared with the shadow of what was published, as a
 check of the shadows' fidelity (``state()``'s ``real_hits`` against ``shadow_hits``); they take no
@@ -97,8 +97,8 @@ class GuardCounters:
     default_shadow_hits: int = 0  # and the recency (vLLM's default) shadow
     filter_shadow_hits: int = 0  # and the filter arm's (when the policy has one)
     real_hits: int = 0  # sampled blocks the real tiers hit (requests that reported one)
-    trials: int = 0  # nominated arms tried (a shadow forked from the published one's)
     shadow_hits: int = 0  # what the shadow of the published decisions hit on those requests
+    trials: int = 0  # nominated arms tried (a shadow forked from the published one's)
 
 
 @dataclass(frozen=True, slots=True)
