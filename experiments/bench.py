@@ -309,10 +309,12 @@ def _by_point(
 ) -> list[Report]:
     """The reports in the spec's order, each as a fraction of its point's belady (none holds
     records: only lru's did, dropped by ``_keep`` once its point's belady ran)."""
+    points: dict[int, dict[str, Report]] = {}  # (``runs`` are in the points' order)
+    for run in runs:
+        points.setdefault(run.point, {})[run.label] = done[run.point, run.label]
     reports: list[Report] = []
     labels = [*spec.policies, *(f"pbkv noise={x:g}" for x in spec.noise)]
-    for i in range(len(spec.points())):
-        point = {run.label: done[i, run.label] for run in runs if run.point == i}
+    for point in points.values():
         best = point["belady"].hit_rate
         for report in point.values():
             report.belady_fraction = report.hit_rate / best if best > 0 else None
