@@ -6,10 +6,13 @@ sequenced batches whose removals name blocks stored before, with bounded residen
 from __future__ import annotations
 
 import random
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import zmq
 
 from experiments.ingest_bench import (
     CONCURRENT_WORKFLOWS,
@@ -40,6 +43,7 @@ from policyd.daemon.ingest import (
     HARD_BOUND_FACTOR,
     LAST_RESORT_FACTOR,
     IngestQueue,
+    Receiver,
     block_events,
     shed,
 )
@@ -230,6 +234,62 @@ def test_past_the_hard_bound_frames_keep_their_closing_events_then_go_whole() ->
     assert all(type(e) is RequestFinished for it in tail for e in it.batch.events)
     # the closing-only frames keep their seq; the frames dropped whole leave a real gap
     assert [it.batch.seq for it in kept] == list(range(1, len(kept) + 1))
+
+
+def test_a_full_queue_waits_for_room_until_the_worker_takes() -> None:
+    queue = IngestQueue(max_frames=2, shed_above=1)
+    queue.offer(EventBatch("s", 1, (stored((1,)),)), 0.0)
+    assert not queue.full and queue.wait_for_room(0.0)
+    queue.offer(EventBatch("s", 2, (stored((2,)),)), 0.0)
+    assert queue.full and not queue.wait_for_room(0.01)
+    taker = threading.Timer(0.05, queue.take, args=(1, 0.0))
+    taker.start()
+    started = time.monotonic()
+    assert queue.wait_for_room(5.0) and not queue.full
+    assert time.monotonic() - started < 5.0
+    taker.join()
+
+
+def test_a_full_queue_leaves_frames_on_the_socket_instead_of_dropping_them() -> None:
+    """Receive livelock at the socket: a flood that outruns the Engine used to be received
+    whole and cut (past the hard bound frames keep their closing events alone, so the Engine
+    applied almost nothing). Now the receiver stops reading while the queue is full, the frames
+    wait on the socket and at the sender, and what is read is decoded whole: nothing cut,
+    nothing dropped, every frame arrives in order once the worker makes room."""
+    queue = IngestQueue(max_frames=8, shed_above=4)
+    receiver = Receiver("tcp://127.0.0.1:*", queue)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.setsockopt(zmq.SNDHWM, 16)
+    push.setsockopt(zmq.SNDTIMEO, 10_000)
+    push.connect(receiver.endpoint)
+    frames = 200
+
+    def send_all() -> None:  # blocking sends: the sender waits while the daemon does not read
+        for seq in range(1, frames + 1):
+            event = RequestStarted(ts=0.0, request_id=f"r{seq}", workflow_id="w", agent="a")
+            push.send(BATCH_CODEC.encode(EventBatch("s", seq, (event,))))
+
+    sender = threading.Thread(target=send_all)
+    receiver.start()
+    sender.start()
+    try:
+        deadline = time.monotonic() + 10.0
+        while not queue.full and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # more frames are there to read; the receiver reads none of them
+        assert queue.full and len(queue) == queue.max_frames
+        seqs: list[int] = []
+        while len(seqs) < frames and time.monotonic() < deadline:
+            seqs += [it.batch.seq for it in queue.take(4, 0.05)]
+        assert seqs == list(range(1, frames + 1))  # every frame, in order, decoded whole
+        c = queue.counters
+        assert c.frames == frames and c.frames_dropped == c.events_dropped == c.events_shed == 0
+    finally:
+        sender.join(timeout=15.0)
+        receiver.stop()
+        push.close()
 
 
 def test_overload_cuts_before_the_range_checks_and_every_event_is_counted_once() -> None:

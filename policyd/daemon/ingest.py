@@ -1,15 +1,20 @@
 """Event ingest: a PULL socket drained into a bounded queue, with load shedding.
 
-Senders are never blocked: the receiver thread takes every frame off the socket as fast as it
-arrives and queues it as received; the engine worker decodes it when it takes it (a malformed
-frame - truncated, wrong protocol version, wrong types - is counted and dropped then, one too
-large already by the receiver; the daemon keeps serving). The receiver's work per frame is a
-socket read and an append, the same however far behind the worker is, so an overload cannot
-take the interpreter lock from the Engine in proportion to the backlog (receive livelock; Mogul
-& Ramakrishnan, "Eliminating receive livelock in an interrupt-driven kernel", 1997;
-docs/DAEMON.md, *Overload*). A queued backlog is bytes, not Python objects, and a frame is
-applied right after it is decoded. Overload is handled as frames are taken, before the Engine,
-by the depth behind them:
+Senders are never blocked (they send without blocking, ``policyd.core.client``): the receiver
+thread takes frames off the socket as fast as they arrive and queues them as received; the
+engine worker decodes each when it takes it (a malformed frame - truncated, wrong protocol
+version, wrong types - is counted and dropped then, one too large already by the receiver; the
+daemon keeps serving). The receiver's work per frame is a socket read and an append, the same
+however far behind the worker is, and while the queue is full (``max_frames`` of depth) it
+reads nothing: the frames wait on the socket and at the senders, whose high-water marks hold or
+drop the rest there, at no cost to the daemon. So an overload cannot take the interpreter lock
+from the Engine (receive livelock; Mogul & Ramakrishnan, "Eliminating receive livelock in an
+interrupt-driven kernel", 1997; docs/DAEMON.md, *Overload*): a flood from the socket keeps the
+queue at the edge of the shedding band, where block stores are shed and request-level events
+kept, instead of past the hard bound below, where the Engine would get closing events alone. A
+queued backlog is bytes, not Python objects, and a frame is applied right after it is decoded.
+Overload is handled as frames are taken, before the Engine, by the depth behind them (the
+bounds below are reached by batches offered in-process, the vLLM subscriber's):
 
 * above ``shed_above_frames`` queued batches, block stores (BlocksStored / BlocksLoaded events,
   whole) are kept with a probability that falls linearly to 0 at ``max_frames``; removals
@@ -276,7 +281,9 @@ class IngestQueue:
         self.shed_above = shed_above
         self.codec = Codec(EventBatch, max_frame_bytes=max_frame_bytes)
         self._items: deque[Received | _Frame] = deque()
-        self._cond = threading.Condition()
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # items queued (the taker waits on it)
+        self._room = threading.Condition(lock)  # depth taken off (``wait_for_room`` waits on it)
         self.depth = 0  # sum of the queued items' weights
         self.counters = IngestCounters()
         # counters change on the receiver's thread, the engine worker's (frames it decodes)
@@ -421,6 +428,18 @@ class IngestQueue:
             self.depth += item.weight
             self._cond.notify()
 
+    @property
+    def full(self) -> bool:
+        """The depth has reached ``max_frames``: a frame queued now would lose every block
+        store (or more, past the hard bound) when it is taken."""
+        return self.depth >= self.max_frames
+
+    def wait_for_room(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for the depth to fall below ``max_frames``; whether it
+        has."""
+        with self._room:
+            return self._room.wait_for(lambda: not self.full, timeout_s)
+
     def take(self, max_weight: int, timeout_s: float) -> list[Received]:
         """Queued batches up to a total weight of ``max_weight`` (at least one), waiting at
         most ``timeout_s`` for the first. What the worker holds is not queued: a small budget
@@ -438,6 +457,7 @@ class IngestQueue:
                 taken += item.weight
                 popped.append(item)
             self.depth -= taken
+            self._room.notify_all()
         out: list[Received] = []
         for item in popped:
             ready = self._decode(item) if isinstance(item, _Frame) else item
@@ -450,8 +470,9 @@ class Receiver:
     """Owns the PULL socket and queues what arrives, on its own thread.
 
     It only takes frames off the socket and queues them (``IngestQueue.offer_frame``): the
-    engine worker decodes them. ``forward``, when given, is handed every frame within the size
-    limit as received, with its arrival time (the history in a process of its own:
+    engine worker decodes them. While the queue is full it reads nothing until the worker makes
+    room (``IngestQueue.wait_for_room``). ``forward``, when given, is handed every frame within
+    the size limit as received, with its arrival time (the history in a process of its own:
     ``HistoryProcess.record_frame``, which decodes and validates it there)."""
 
     def __init__(
@@ -510,8 +531,12 @@ class Receiver:
                     self._drain_monitor(monitor)
                 if sock not in ready:
                     continue
+                if queue.full and not queue.wait_for_room(0.1):
+                    continue  # left on the socket: the senders' high-water marks drop the rest
                 now = self.wall_clock()
                 for _ in range(1024):  # drain what is there, then look at the stop flag
+                    if queue.full:
+                        break
                     try:
                         frame = sock.recv(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
