@@ -325,6 +325,10 @@ def test_shedding_is_reported_in_stats_and_metrics(tmp_path: Path) -> None:
     assert stats["shed_rate"] == pytest.approx(stats["events_shed"] / (30 * 40))
     metrics = service.metrics.render().decode()
     assert f"policyd_events_shed_total {float(stats['events_shed'])}" in metrics
+    assert not service.queue.wait_for_room(0.0)  # full: a receiver would stop reading
+    stats = views.stats(service)
+    assert stats["receiver_waits"] == 1
+    assert "policyd_receiver_waits_total 1.0" in service.metrics.render().decode()
 
 
 def test_the_history_writer_is_told_to_step_aside_while_the_engine_is_behind(

@@ -242,6 +242,8 @@ def test_a_full_queue_waits_for_room_until_the_worker_takes() -> None:
     assert not queue.full and queue.wait_for_room(0.0)
     queue.offer(EventBatch("s", 2, (stored((2,)),)), 0.0)
     assert queue.full and not queue.wait_for_room(0.01)
+    assert not queue.wait_for_room(0.01)  # the same stretch of full queue: one wait counted
+    assert queue.counters.receiver_waits == 1 and queue.counters.receiver_wait_s >= 0.02
     taker = threading.Timer(0.05, queue.take, args=(1, 0.0))
     taker.start()
     started = time.monotonic()
@@ -286,6 +288,7 @@ def test_a_full_queue_leaves_frames_on_the_socket_instead_of_dropping_them() -> 
         assert seqs == list(range(1, frames + 1))  # every frame, in order, decoded whole
         c = queue.counters
         assert c.frames == frames and c.frames_dropped == c.events_dropped == c.events_shed == 0
+        assert c.receiver_waits >= 1 and c.receiver_wait_s > 0.0
     finally:
         sender.join(timeout=15.0)
         receiver.stop()

@@ -222,6 +222,8 @@ class IngestCounters:
     oversize_frames: int = 0  # of malformed_frames, over max_frame_bytes
     connections_closed: int = 0  # sender connections closed (by the sender, or by ZeroMQ for a
     # frame over its transport cap, 4 x max_frame_bytes: such a frame never reaches the queue)
+    receiver_waits: int = 0  # times the receiver found the queue full and stopped reading
+    receiver_wait_s: float = 0.0  # seconds it waited for room (frames left at the senders)
     last_malformed: str = ""
 
 
@@ -284,6 +286,7 @@ class IngestQueue:
         lock = threading.Lock()
         self._cond = threading.Condition(lock)  # items queued (the taker waits on it)
         self._room = threading.Condition(lock)  # depth taken off (``wait_for_room`` waits on it)
+        self._waiting = False  # the last wait for room timed out (the queue is still full)
         self.depth = 0  # sum of the queued items' weights
         self.counters = IngestCounters()
         # counters change on the receiver's thread, the engine worker's (frames it decodes)
@@ -436,9 +439,20 @@ class IngestQueue:
 
     def wait_for_room(self, timeout_s: float) -> bool:
         """Wait at most ``timeout_s`` for the depth to fall below ``max_frames``; whether it
-        has."""
+        has. The waits are counted (``receiver_waits``: one per stretch of full queue, and
+        ``receiver_wait_s``)."""
+        if not self.full:
+            self._waiting = False
+            return True
+        started = time.monotonic()
         with self._room:
-            return self._room.wait_for(lambda: not self.full, timeout_s)
+            room = self._room.wait_for(lambda: not self.full, timeout_s)
+        c = self.counters
+        with self._counting:
+            c.receiver_waits += not self._waiting
+            c.receiver_wait_s += time.monotonic() - started
+        self._waiting = not room
+        return room
 
     def take(self, max_weight: int, timeout_s: float) -> list[Received]:
         """Queued batches up to a total weight of ``max_weight`` (at least one), waiting at

@@ -37,6 +37,8 @@ class _StatsCollector(Collector):
             "frames_dropped_undecoded": "Of them, frames dropped whole, undecoded, past the "
             "last resort (their events are not counted).",
             "events_dropped": "Request-level events dropped past the hard bound (not shed).",
+            "receiver_waits": "Times the receiver found the ingest queue full and stopped reading.",
+            "receiver_wait_s": "Seconds the receiver waited for room (frames left at the senders).",
             "malformed_frames": "Event frames rejected as malformed.",
             "seq_gaps": "Batch sequence gaps over all sources.",
             "seq_duplicates": "Batches repeating their source's last sequence number (dropped).",

@@ -140,6 +140,8 @@ def stats(service: StatsSource) -> dict[str, Any]:
         "frames_dropped": ic.frames_dropped,
         "frames_dropped_undecoded": ic.frames_dropped_undecoded,
         "events_dropped": ic.events_dropped,
+        "receiver_waits": ic.receiver_waits,
+        "receiver_wait_s": ic.receiver_wait_s,
         "ingest_queue_frames": len(service.queue),
         "ingest_queue_depth": service.queue.depth,
         "workflows_active": workflows_active,
