@@ -497,6 +497,8 @@ def run_bench(
         "received_block_events": blocks_all,
         "applied_block_events": delta("block_events_applied"),
         "frames_dropped": delta("frames_dropped"),
+        "receiver_waits": delta("receiver_waits"),
+        "receiver_wait_s": float(after["receiver_wait_s"] - before["receiver_wait_s"]),
         "sent_frames_per_s": sum(s[0] for s in sent) / window_s,
         "sent_events_per_s": sum(s[1] for s in sent) / window_s,
         "sent_block_events_per_s": sum(s[2] for s in sent) / window_s,
@@ -582,7 +584,9 @@ def render(r: dict[str, Any]) -> str:
         f"({r['applied_ratio_to_target']:.2f}x the target; {r['applied_events_per_s']:,.0f} "
         f"events/s, {r['requests_per_s']:,.0f} requests/s); shed {r['block_shed_rate']:.1%} of "
         f"block events ({r['shed_block_events']:,}); frames "
-        f"{r['frames_dropped']:,} cut at the hard bound; seq gaps {r['seq_gaps']}",
+        f"{r['frames_dropped']:,} cut at the hard bound; seq gaps {r['seq_gaps']}; the receiver "
+        f"waited for room {r.get('receiver_waits', 0):,} times, "
+        f"{r.get('receiver_wait_s', 0.0):.1f} s in all",
         f"  history rows written {r['history_rows_per_s']:,.0f} rows/s (block rows sampled at "
         f"{_rates(r)}; dropped {r['history_rows_dropped']:,}, rejected "
         f"{r['history_rows_rejected']:,}; writer stepped aside for the Engine "
