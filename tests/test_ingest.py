@@ -26,6 +26,7 @@ from experiments.ingest_bench import (
     run_bench,
 )
 from experiments.ingest_cost import stage_costs
+from policyd.core.client import DaemonClient
 from policyd.core.engine import Engine
 from policyd.core.types import (
     BATCH_CODEC,
@@ -38,6 +39,7 @@ from policyd.core.types import (
     RequestStarted,
     WorkflowFinished,
 )
+from policyd.core.wire import Endpoints
 from policyd.daemon import views
 from policyd.daemon.ingest import (
     HARD_BOUND_FACTOR,
@@ -293,6 +295,38 @@ def test_a_full_queue_leaves_frames_on_the_socket_instead_of_dropping_them() -> 
         sender.join(timeout=15.0)
         receiver.stop()
         push.close()
+
+
+def test_the_connectors_client_never_waits_on_a_daemon_whose_queue_is_full() -> None:
+    """The connector's own client against a receiver that stops reading (its queue full,
+    nobody draining it): every ``send`` returns at once; past the client's bounded queue the
+    events are dropped there and counted, and none of it reaches past the daemon's bound."""
+    queue = IngestQueue(max_frames=4, shed_above=2)
+    receiver = Receiver("tcp://127.0.0.1:*", queue)
+    receiver.start()
+    client = DaemonClient(
+        "vllm-0",
+        Endpoints(events=receiver.endpoint, snapshots="tcp://127.0.0.1:1"),
+        queue_max_events=2_000,
+    )
+    try:
+        for i in range(50_000):  # far more than the daemon's queue and the sockets hold
+            client.send(RequestStarted(ts=0.0, request_id=f"r{i}", workflow_id="w", agent="a"))
+        deadline = time.monotonic() + 10.0
+        while (not queue.full or client.stats()["sent_batches"] < 2) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.01)
+        counts = client.stats()
+        assert counts["accepted_events"] + counts["dropped_events"] == 50_000
+        assert counts["dropped_events"] > 0  # dropped at the client, counted
+        # the receiver read until the queue was full and no further: what it read is queued,
+        # the rest of what was sent waits in the sockets
+        assert queue.full and queue.counters.frames == len(queue) < counts["sent_batches"]
+        assert queue.counters.frames_dropped == 0  # nothing cut at the daemon
+    finally:
+        client.close(flush_timeout_s=0.0)
+        receiver.stop()
 
 
 def test_overload_cuts_before_the_range_checks_and_every_event_is_counted_once() -> None:
