@@ -248,7 +248,7 @@ def test_the_referee_prefers_the_ranking_that_kept_the_reused_prompt() -> None:
     assert referee.means() == means
 
 
-def test_agentkv_is_at_least_lru_and_efficientagent_at_a_contended_point() -> None:
+def test_the_learned_decisions_beat_lru_and_efficientagent_and_agentkv_is_at_least_lru() -> None:
     """The learned decisions beat both baselines here; with its guard agentkv is at least LRU
     (the guard publishes them only once a trial from vLLM's default's tiers wins, late in
     this run: 1.03x LRU against the learned decisions' 1.28x)."""

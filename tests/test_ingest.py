@@ -248,9 +248,7 @@ def test_a_full_queue_waits_for_room_until_the_worker_takes() -> None:
     assert queue.counters.receiver_waits == 1 and queue.counters.receiver_wait_s >= 0.02
     taker = threading.Timer(0.05, queue.take, args=(1, 0.0))
     taker.start()
-    started = time.monotonic()
-    assert queue.wait_for_room(5.0) and not queue.full
-    assert time.monotonic() - started < 5.0
+    assert queue.wait_for_room(5.0) and not queue.full  # woken by the take, not timed out
     taker.join()
 
 

@@ -545,7 +545,7 @@ class Receiver:
                     self._drain_monitor(monitor)
                 if sock not in ready:
                     continue
-                if queue.full and not queue.wait_for_room(0.1):
+                if not queue.wait_for_room(0.1):  # (at once while not full)
                     continue  # left on the socket: the senders' high-water marks drop the rest
                 now = self.wall_clock()
                 for _ in range(1024):  # drain what is there, then look at the stop flag
