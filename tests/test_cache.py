@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -10,9 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policyd.core.queues import EvictionQueue, KeyedQueue, LruQueue
+from policyd.core.types import PolicySnapshot, ScoredBlocks
 from policyd.policies import make_policy
-from policyd.sim.cache import GpuTier, HostTier
+from policyd.sim.cache import GpuTier, HostOrderQueue, HostTier
 from policyd.sim.replay import SimConfig, Simulator
+from policyd.tiers.host_order import HostOrder
+from policyd.tiers.view import SnapshotView
 from policyd.workloads.calls import Call, sequential
 
 # ---- LruQueue ------------------------------------------------------------------------------------
@@ -292,6 +296,61 @@ def test_host_store_never_evicts_protected_keys() -> None:
     stored, evicted = host.store([4], protected=[1])
     assert (stored, evicted) == ([4], [2])
     assert 1 in host and 3 in host and 4 in host
+
+
+def test_the_simulated_host_tier_changes_the_connectors_order_as_vllm_does() -> None:
+    """Under the connector's order (``HostOrderQueue``) the simulated host tier makes the calls
+    vLLM's manager makes on the connector's ``CachePolicy`` (connector/vllm_adapter.py): a
+    store inserts its new keys and marks them evictable when it completes, a load holds its
+    keys and lets them go (a new place in the order), a finished request's keys are touched in
+    place. The places decide which keys a budgeted re-keying walk reaches first, so the order
+    must match while a walk is under way too (a touch that removed and re-inserted its keys
+    gave them new places)."""
+    rng = random.Random(5)
+    queue = HostOrderQueue()
+    sim = HostTier(48, queue)
+    ref: HostOrder[int] = HostOrder(int)  # driven as vLLM's manager drives the connector's
+    for _ in range(600):
+        resident = list(ref)
+        op = rng.random()
+        if op < 0.3:
+            blocks = rng.sample(range(120), rng.randint(1, 12))
+            stored, evicted = sim.store(blocks, protected=blocks)
+            new = [b for b in blocks if b not in ref]
+            surplus = len(ref) + len(new) - 48
+            victims = ref.evict(surplus, {b for b in blocks if b in ref}) if surplus > 0 else []
+            if victims is None:  # vLLM's prepare_store stores nothing
+                assert (stored, evicted) == ([], [])
+                continue
+            assert (stored, evicted) == (new, victims)
+            for block in new:  # prepare_store inserts, complete_store marks evictable
+                ref.insert(block, evictable=False)
+            for block in new:
+                ref.mark_evictable(block)
+        elif op < 0.55 and resident:
+            used = rng.sample(resident, rng.randint(1, min(10, len(resident))))
+            sim.touch(reversed(used))  # the simulator re-ranks a request's keys tail first
+            ref.touch(used)
+        elif op < 0.7 and resident:
+            loaded = rng.sample(resident, rng.randint(1, min(6, len(resident))))
+            sim.loaded(loaded)
+            for block in loaded:  # prepare_load, then complete_load
+                ref.mark_non_evictable(block)
+            for block in loaded:
+                ref.mark_evictable(block)
+        elif op < 0.8:
+            scored = ScoredBlocks(float(rng.randint(-2, 2)), tuple(rng.sample(range(120), 30)))
+            view = SnapshotView.of(
+                PolicySnapshot(version=1, ts=0.0, ttl_s=5.0, policy="agentkv", scores=(scored,))
+            )
+            retired = frozenset(rng.sample(range(120), 5))
+            queue.order.set_view(view, retired)
+            ref.set_view(view, retired)
+        else:
+            units = rng.randint(0, 4)
+            queue.order.rekey(units)
+            ref.rekey(units)
+        assert queue.order.peek_order() == ref.peek_order()
 
 
 def test_host_store_larger_than_the_tier_stores_nothing() -> None:

@@ -335,6 +335,8 @@ class ShadowTiers:
             hits += 1
         if self.host_capacity:
             loaded = hits > on_gpu
+            if loaded and isinstance(host, HostOrder):
+                host.loaded(sampled[on_gpu:hits])
             offered = sampled[hits:] if loaded else sampled
             new_blocks = blocks - (positions[hits] if hits < n else blocks)
             allowed = write_allowed(self.view, new_blocks)  # decided at the lookup

@@ -273,11 +273,21 @@ class HostTier:
         return n - start
 
     def touch(self, blocks: Iterable[int]) -> None:
-        """Make resident ``blocks`` the most recent, in the order given."""
+        """Make resident ``blocks`` the most recent, in the order given. Each keeps its place
+        in the connector's order, re-ranked as its ``HostOrder.touch`` re-ranks it (a held key
+        pushed again is touched); vLLM's LRU moves them to its tail."""
         queue, resident = self.queue, self._resident
         present = [b for b in blocks if b in resident]
-        queue.discard_many(present)
-        queue.push_many(present)
+        if isinstance(queue, LruQueue):
+            queue.to_tail(present)
+        else:
+            queue.push_many(present)
+
+    def loaded(self, blocks: Sequence[int]) -> None:
+        """A request loads these resident blocks: in the connector's order each takes a new
+        place (``HostOrder.loaded``); vLLM's LRU is unchanged by a load."""
+        if isinstance(self.queue, HostOrderQueue):
+            self.queue.order.loaded(blocks)
 
     def store(
         self, blocks: Sequence[int], protected: Collection[int] = ()

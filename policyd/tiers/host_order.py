@@ -295,6 +295,17 @@ class HostOrder(Generic[K]):
         self._next_heap, self._cursor, self._owed, self._walking = None, 0, False, False
         self._next_rank = 0
 
+    def loaded(self, keys: Iterable[K]) -> None:
+        """A load read these keys: vLLM's manager held each while it read it and let it go
+        when the load completed (``mark_non_evictable``, then ``mark_evictable``), both taken
+        here at once (the simulator and the guard's shadows). Each keeps its rank and takes a
+        new place, so a re-keying walk reaches it where it reaches the connector's."""
+        keys = list(keys)
+        for key in keys:
+            self.mark_non_evictable(key)
+        for key in keys:
+            self.mark_evictable(key)
+
     def mark_evictable(self, key: K) -> None:
         if key in self._rank and key not in self._slot_of:
             self._add_evictable(key)
