@@ -35,8 +35,11 @@ scheduler step (``StepBudget``). Everything is scaled by the sample rate: the pl
 adoption's cost, and the budget - a step's whole budget is spent once every ``1 / rate``
 requests (at their prefix lookups, before their blocks are allocated, as the connector does),
 so the shadow does ``rate`` times the connector's work on ``rate`` times its blocks. Where it
-differs: one request is one scheduler step, and the plan's ranking (``SnapshotView.top``) names
-only blocks cached in the shadow when the snapshot arrives.
+differs: one request is one scheduler step, the plan's ranking (``SnapshotView.top``) names
+only blocks cached in the shadow when the snapshot arrives, and a host load leaves its keys'
+places in the order's re-keying walk, where vLLM's manager, and the simulator, give them new
+ones (``HostOrder.loaded``): measured both ways, the shadow that keeps them ranks the arms as
+its real tiers do more often (docs/RESULTS.md, *The recency guard*).
 """
 
 from __future__ import annotations
@@ -335,8 +338,6 @@ class ShadowTiers:
             hits += 1
         if self.host_capacity:
             loaded = hits > on_gpu
-            if loaded and isinstance(host, HostOrder):
-                host.loaded(sampled[on_gpu:hits])
             offered = sampled[hits:] if loaded else sampled
             new_blocks = blocks - (positions[hits] if hits < n else blocks)
             allowed = write_allowed(self.view, new_blocks)  # decided at the lookup

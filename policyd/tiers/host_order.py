@@ -298,8 +298,8 @@ class HostOrder(Generic[K]):
     def loaded(self, keys: Iterable[K]) -> None:
         """A load read these keys: vLLM's manager held each while it read it and let it go
         when the load completed (``mark_non_evictable``, then ``mark_evictable``), both taken
-        here at once (the simulator and the guard's shadows). Each keeps its rank and takes a
-        new place, so a re-keying walk reaches it where it reaches the connector's."""
+        here at once (the simulator's host tier). Each keeps its rank and takes a new place, so
+        a re-keying walk reaches it where it reaches the connector's."""
         keys = list(keys)
         for key in keys:
             self.mark_non_evictable(key)
