@@ -220,6 +220,28 @@ def test_a_nominated_arm_is_published_only_after_its_trial_wins() -> None:
     assert report.hit_rate == lru.hit_rate
 
 
+def test_two_winning_arms_taking_turns_at_the_lead_each_keep_their_trial() -> None:
+    """Financial, 8 workflows, C=4, both tiers of 2,108 blocks, seed 1: the filter and the
+    learned shadows both beat vLLM's default, and the one ahead changes from window to window.
+    Each nominated arm has a trial of its own, so one of them wins it and is published (with one
+    trial at a time, for the arm furthest ahead, each change of lead restarted it: seven trials
+    and no switch in the run's 14 windows)."""
+    work = make_workload("financial", seed=1, workflows=8)
+    config = SimConfig(concurrency=4, gpu_blocks=2108, host_blocks=2108)
+    policy = AgentKV()
+    assert policy.guard is not None
+    policy.guard.journal = []
+    report = Simulator(work, policy, config).run()
+    before = [w for w in policy.guard.journal if w.published == RECENCY]
+    ahead = {max((FILTER, LEARNED), key=w.hits.__getitem__) for w in before
+             if max(w.hits[FILTER], w.hits[LEARNED]) > w.hits[RECENCY]}  # fmt: skip
+    assert ahead == {FILTER, LEARNED}
+    c = policy.guard.counters
+    assert c.switches_to_filter + c.switches_to_learned >= 1
+    lru = Simulator(work, make_policy("lru"), config).run()
+    assert report.hit_rate > 1.05 * lru.hit_rate
+
+
 def test_the_published_shadow_follows_the_real_tiers_across_a_switch() -> None:
     """At a switch the new arm's shadow is forked from the published one's: the real tiers'
     contents, not what the arm built while it was not published. Financial, seed 1, both tiers

@@ -47,8 +47,8 @@ def test_agentkv_is_never_more_than_one_percent_behind_lru(
 
 def test_a_small_coding_pool_with_a_host_tier() -> None:
     # the learned host order alone loses here (0.88x LRU without the write filter); the guard
-    # holds vLLM's default for 19 of its 38 windows, then publishes the learned arm once a trial
-    # of it wins
+    # holds vLLM's default for 13 of its 38 windows, then publishes the filter arm (the write
+    # filter alone on vLLM's order) once a trial of it wins
     params: dict[str, object] = {"tasks": 12, "max_calls": 30, "max_prompt_tokens": 20000}
     work = make_workload("coding-pool", seed=1, **params)
     config = _point(work, 6, host=True)

@@ -16,20 +16,21 @@ comparison: all see the same blocks, so the sample's error is common to them and
 no calibration against the real tiers is needed). Window by window (``window`` sampled
 references and at least ``min_window_requests`` requests) it adds each other arm's difference
 with the published arm to that arm's evidence (Page's CUSUM, held at zero or above, so past
-windows that went the published way do not shield a change), and switches to the arm whose
-evidence most exceeds ``confidence`` standard deviations of itself (the root of its windows'
-squares: one window alone never switches, the windows of a phase are correlated) plus
-``tolerance`` of the recency shadow's hits in those windows. With two arms (recency and
-learned) that is one CUSUM of the evidence against what is published.
+windows that went the published way do not shield a change). An arm whose evidence exceeds
+``confidence`` standard deviations of itself (the root of its windows' squares: one window
+alone never switches, the windows of a phase are correlated) plus ``tolerance`` of the recency
+shadow's hits in those windows is *nominated*. With two arms (recency and learned) that is one
+CUSUM of the evidence against what is published.
 
-Such an arm is *nominated*, not yet published: its shadow won on the contents it built while
-it was not published, which the real tiers do not hold. Its **trial** is a shadow forked from
-the published arm's (``ShadowTiers.forked``: the real tiers as a switch would leave them)
-that follows the nominee's snapshots from then on, so its hits count the switch's cost too.
-The nominee is published once the trial's own wins over the published arm (a plain sum since
-the fork) pass the same margin; the trial ends if the arm stops being the nominee. At the
-switch the newly published arm's shadow is forked anew from the published one's, so the
-published shadow follows the real tiers' contents, not the arm's history.
+A nominated arm is not yet published: its shadow won on the contents it built while it was not
+published, which the real tiers do not hold. Its **trial** is a shadow forked from the
+published arm's (``ShadowTiers.forked``: the real tiers as a switch would leave them) that
+follows the arm's snapshots from then on, so its hits count the switch's cost too. Every
+nominated arm has a trial of its own (two arms that both win, taking turns at the lead, do not
+restart each other's); a trial ends when its arm is no longer nominated. The arm whose trial's
+own wins over the published arm (a plain sum since the fork) pass the same margin by the most
+is published. At the switch the newly published arm's shadow is forked anew from the published
+one's, so the published shadow follows the real tiers' contents, not the arm's history.
 
 It starts in recency: until the sample says a candidate wins, vLLM's default is what runs, so a
 workload where they only tie (GPU-only chats, say) gets exactly vLLM's behaviour.
@@ -211,7 +212,7 @@ class RecencyGuard:
         self._window_refs = self._window_requests = 0
         self._window_hits = dict.fromkeys(self.arms, 0)
         self._reported = (0, 0)  # real and shadow hits counted when the last window closed
-        self._trial: _Trial | None = None
+        self._trials: dict[str, _Trial] = {}
         # each arm's last snapshot, for a shadow forked for it (a trial, or at a switch)
         self._last: dict[
             str, tuple[PolicySnapshot, Mapping[int, float], Mapping[int, float] | None]
@@ -247,7 +248,7 @@ class RecencyGuard:
         self._active = reach > 0
         self._pending.clear()
         self._running.clear()
-        self._trial = None
+        self._trials = {}
 
     @property
     def rate(self) -> float:
@@ -286,15 +287,14 @@ class RecencyGuard:
         if self._active:
             self.shadows[arm].adopt(snapshot, scores, host_scores)
             self._last[arm] = (snapshot, scores, host_scores)
-            trial = self._trial
-            if trial is not None and trial.arm == arm:
+            trial = self._trials.get(arm)
+            if trial is not None:
                 trial.shadow.adopt(snapshot, scores, host_scores)
 
     def _shadows(self) -> list[ShadowTiers]:
         """Every shadow that follows the traffic: the arms' and a trial's."""
         shadows = list(self.shadows.values())
-        if self._trial is not None:
-            shadows.append(self._trial.shadow)
+        shadows.extend(t.shadow for t in self._trials.values())
         return shadows
 
     def _finished(self, request_id: str, sampled: tuple[int, ...]) -> None:
@@ -325,8 +325,7 @@ class RecencyGuard:
             arm: shadow.start(event.request_id, wf, sampled, positions, len(blocks))
             for arm, shadow in self.shadows.items()
         }
-        trial = self._trial
-        if trial is not None:
+        for trial in self._trials.values():
             trial.hits += trial.shadow.start(event.request_id, wf, sampled, positions, len(blocks))
         if len(self._pending) >= MAX_OPEN_REQUESTS:  # never reported: forget the oldest
             self._pending.pop(next(iter(self._pending)))
@@ -359,28 +358,27 @@ class RecencyGuard:
 
     def _close_window(self) -> None:
         """Each other arm's difference with the published one added to its evidence (Page's
-        CUSUM, held at zero or above); the arm furthest past its margin (``confidence``
-        standard deviations of its evidence and ``tolerance`` of the recency shadow's hits in
-        its windows), if any, is the nominee, and is published once its trial passes the same
-        margin (``_try``); then every sum starts again. Old wins do not shield a new loss: the
-        sums forget what went the published way."""
+        CUSUM, held at zero or above); the arms past their margin (``confidence`` standard
+        deviations of their evidence and ``tolerance`` of the recency shadow's hits in their
+        windows) are nominated, and one is published once its trial passes the same margin
+        (``_try``); then every sum starts again. Old wins do not shield a new loss: the sums
+        forget what went the published way."""
         published, hits = self.published, self._window_hits
         c = self.counters
         c.windows += 1
         setattr(c, _ARM_COUNTERS[published][0], getattr(c, _ARM_COUNTERS[published][0]) + 1)
-        best, best_excess = published, 0.0
+        nominated: list[str] = []
         for arm in self.arms:
             if arm == published:
                 continue
             evidence = self._evidence[arm]
             evidence.add(hits[arm] - hits[published], hits[RECENCY])
-            excess = evidence.excess(self.confidence, self.tolerance)
-            if excess > best_excess:
-                best, best_excess = arm, excess
+            if evidence.excess(self.confidence, self.tolerance) > 0:
+                nominated.append(arm)
         self._window_refs = self._window_requests = 0
         self._window_hits = dict.fromkeys(self.arms, 0)
         if self.pinned is None:
-            self._try(best, hits)
+            self._try(nominated, hits)
         if self.journal is not None:
             real, shadow = self._reported
             self.journal.append(
@@ -390,29 +388,35 @@ class RecencyGuard:
             )
         self._reported = (c.real_hits, c.shadow_hits)
 
-    def _try(self, nominee: str, hits: dict[str, int]) -> None:
-        """The trial's window added to its sum; past its margin, its arm is published (and
-        that arm's shadow forked anew from the published one's: where the real tiers stand
-        now). A trial whose arm is no longer the nominee ends; a nominee without one starts
+    def _try(self, nominated: list[str], hits: dict[str, int]) -> None:
+        """Every trial's window added to its sum; a trial whose arm is no longer past its
+        margin ends; of the trials past their own margin, the furthest is published (its arm's
+        shadow forked anew from the published one's); a nominated arm without a trial starts
         one, forked from the published arm's shadow."""
-        published, trial = self.published, self._trial
-        if trial is not None:
+        published = self.published
+        best, best_excess = None, 0.0
+        for arm, trial in list(self._trials.items()):
             trial.evidence.add(trial.hits - hits[published], hits[RECENCY])
             trial.hits = 0
-            if trial.arm != nominee:
-                self._trial = trial = None
-            elif trial.evidence.excess(self.confidence, self.tolerance) > 0:
-                self._trial = None
-                self.shadows[trial.arm] = self._forked(trial.arm, self.shadows[published])
-                self.published = trial.arm
-                self._evidence = {arm: _Evidence() for arm in self.arms}
-                c = self.counters
-                switches = _ARM_COUNTERS[trial.arm][1]
-                setattr(c, switches, getattr(c, switches) + 1)
-                return
-        if trial is None and nominee != published:
-            self.counters.trials += 1
-            self._trial = _Trial(nominee, self._forked(nominee, self.shadows[published]))
+            if arm not in nominated:
+                del self._trials[arm]
+                continue
+            excess = trial.evidence.excess(self.confidence, self.tolerance)
+            if excess > best_excess:
+                best, best_excess = arm, excess
+        if best is not None:
+            self._trials = {}
+            self.shadows[best] = self._forked(best, self.shadows[published])
+            self.published = best
+            self._evidence = {arm: _Evidence() for arm in self.arms}
+            c = self.counters
+            switches = _ARM_COUNTERS[best][1]
+            setattr(c, switches, getattr(c, switches) + 1)
+            return
+        for arm in nominated:
+            if arm not in self._trials:
+                self.counters.trials += 1
+                self._trials[arm] = _Trial(arm, self._forked(arm, self.shadows[published]))
 
     def _forked(self, arm: str, source: ShadowTiers) -> ShadowTiers:
         """A shadow of ``arm`` holding what ``source`` holds, under the arm's last snapshot."""
