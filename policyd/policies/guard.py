@@ -292,7 +292,7 @@ class RecencyGuard:
                 trial.shadow.adopt(snapshot, scores, host_scores)
 
     def _shadows(self) -> list[ShadowTiers]:
-        """Every shadow that follows the traffic: the arms' and a trial's."""
+        """Every shadow that follows the traffic: the arms' and the trials'."""
         shadows = list(self.shadows.values())
         shadows.extend(t.shadow for t in self._trials.values())
         return shadows
