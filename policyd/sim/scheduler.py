@@ -173,13 +173,13 @@ class RequestScheduler:
             outbox.add(BlocksRemoved(ts=now, tier="gpu", block_hashes=tuple(evicted)))
         load_bytes = self.costs.block_bytes(host_hit)
         load_end = self.costs.load(now, load_bytes) if load_bytes else now
-        if host_hit:
-            host.loaded(blocks[gpu_hit : gpu_hit + host_hit])
         # vLLM caches a request's blocks when it is scheduled: later admissions hit them
         self.cache(req, blocks[gpu_hit:])
-        if host_hit:  # what the GPU now holds of the loaded run (all of it in shared space)
-            refs = gpu.refs
-            loaded = tuple(b for b in blocks[gpu_hit : gpu_hit + host_hit] if b in refs)
+        if host_hit:
+            run = blocks[gpu_hit : gpu_hit + host_hit]
+            host.loaded(run)
+            refs = gpu.refs  # what the GPU now holds of the loaded run (all of it in shared space)
+            loaded = tuple(b for b in run if b in refs)
             if loaded:
                 outbox.add(BlocksLoaded(ts=now, block_hashes=loaded, request_id=req.rid))
         if self.tier_log is not None:
