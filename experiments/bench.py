@@ -33,6 +33,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from scipy import stats
 
+from policyd.cli.arguments import gpu_multiple
 from policyd.cli.bench import (
     DEFAULT_CONCURRENCY,
     DEFAULT_WORKLOADS,
@@ -63,7 +64,8 @@ class BenchSpec:
     policies: Sequence[str]
     concurrency: Sequence[int]
     gpu_blocks: Sequence[int | None]
-    host_blocks: Sequence[int | None]
+    # blocks, or a multiple of each point's GPU tier ("1x": as large; ``tier_list``)
+    host_blocks: Sequence[int | str | None]
     profile: str
     seed: int = 0
     snapshot_interval_s: float = 1.0
@@ -83,11 +85,29 @@ class BenchSpec:
             raise ValueError("--noise degrades pbkv's predictor: add pbkv to the policies")
         for label in self.policies:
             policy_variant(label)  # (raises on an unknown policy or parameter)
+        for host in self.host_blocks:
+            if isinstance(host, str):
+                gpu_multiple(host)  # (raises when it is not one)
+                if None in self.gpu_blocks:
+                    raise ValueError(f"a host tier of {host} the GPU's needs GPU tier sizes")
 
     def points(self) -> list[tuple[str, int, int | None, int | None]]:
-        return list(
-            itertools.product(self.workloads, self.concurrency, self.gpu_blocks, self.host_blocks)
-        )
+        """Every (workload, concurrency, GPU blocks, host blocks), the host tier's size in
+        blocks (a multiple of the GPU tier's taken of each GPU size)."""
+        return [
+            (workload, concurrency, gpu, _blocks(host, gpu))
+            for workload, concurrency, gpu, host in itertools.product(
+                self.workloads, self.concurrency, self.gpu_blocks, self.host_blocks
+            )
+        ]
+
+
+def _blocks(host: int | str | None, gpu: int | None) -> int | None:
+    """A host tier size in blocks: ``host``, or its multiple of ``gpu`` ("2x": twice)."""
+    if not isinstance(host, str):
+        return host
+    assert gpu is not None  # (BenchSpec refuses a multiple without GPU sizes)
+    return round(gpu_multiple(host) * gpu)
 
 
 # the parameter each generator takes for its number of streams

@@ -95,11 +95,36 @@ def test_bad_specs_are_clear_errors(overrides, message):
         spec(**overrides)
 
 
+def test_a_host_tier_given_as_a_multiple_of_the_gpu_tier_is_sized_at_each_point():
+    sizes = spec(gpu_blocks=[3000, 6000], host_blocks=[0, "1x", "0.5x", 1000])
+    points = [(gpu, host) for _, _, gpu, host in sizes.points()]
+    assert points == [
+        (3000, 0), (3000, 3000), (3000, 1500), (3000, 1000),
+        (6000, 0), (6000, 6000), (6000, 3000), (6000, 1000),
+    ]  # fmt: skip
+    reports = run_bench(
+        spec(policies=["lru"], gpu_blocks=[3000], host_blocks=["1x"]), load=small,
+        show_progress=False,
+    )  # fmt: skip
+    assert [(r.gpu_blocks, r.host_blocks) for r in reports] == [(3000, 3000)] * 2  # and belady
+
+
+def test_a_multiple_of_the_gpu_tier_needs_gpu_sizes_and_a_number():
+    with pytest.raises(ValueError, match="needs GPU tier sizes"):
+        spec(gpu_blocks=[None], host_blocks=["1x"])
+    with pytest.raises(ValueError, match="not a multiple of the GPU tier"):
+        spec(host_blocks=["ax"])
+
+
 def test_cli_rejects_unknown_names_and_bad_fractions(capsys):
     for argv in (
         ["bench", "--policies", "lru,nope"],
         ["bench", "--workload", "no-such-workload-or-path"],
         ["bench", "--noise", "0,2"],
+        ["bench", "--host-blocks", "0,x2"],
+        ["bench", "--host-blocks", "-1"],
+        ["bench", "--host-blocks", "-1x"],
+        ["bench", "--host-blocks", ","],
     ):
         with pytest.raises(SystemExit) as exc:
             main(argv)

@@ -59,6 +59,52 @@ def int_at_least(minimum: int = 0) -> Callable[[str], int]:
     return parse
 
 
+def tier_list() -> Callable[[str], list[int | str]]:
+    """Comma-separated tier sizes: blocks (a non-negative integer), or a multiple of each
+    point's GPU tier (a non-negative number and ``x``: ``1x``, ``0.5x``), kept as written.
+
+    >>> tier_list()("0,16384,1x,0.5x")
+    [0, 16384, '1x', '0.5x']
+    >>> tier_list()("x2")
+    Traceback (most recent call last):
+    argparse.ArgumentTypeError: expected blocks or a multiple of the GPU tier (1x, 0.5x), got 'x2'
+    """
+
+    def size(text: str) -> int | str:
+        if text.endswith("x"):
+            gpu_multiple(text)  # (raises when it is not one)
+            return text
+        blocks = int(text)
+        if blocks < 0:
+            raise ValueError(text)
+        return blocks
+
+    def parse(text: str) -> list[int | str]:
+        try:
+            sizes = [size(v.strip()) for v in text.split(",") if v.strip()]
+        except ValueError:
+            sizes = []
+        if not sizes:
+            raise argparse.ArgumentTypeError(
+                f"expected blocks or a multiple of the GPU tier (1x, 0.5x), got {text!r}"
+            )
+        return sizes
+
+    return parse
+
+
+def gpu_multiple(size: str) -> float:
+    """The factor of a tier size written as a multiple of the GPU tier (``"2x"`` -> 2.0);
+    ValueError when it is not one."""
+    try:
+        factor = float(size.removesuffix("x")) if size.endswith("x") else float("nan")
+    except ValueError:
+        factor = float("nan")
+    if not 0.0 <= factor < float("inf"):
+        raise ValueError(f"not a multiple of the GPU tier: {size!r}")
+    return factor
+
+
 def fraction_list() -> Callable[[str], list[float]]:
     """Comma-separated numbers, each in [0, 1]."""
     return _number_list(float, "numbers", lambda v: 0.0 <= v <= 1.0, "fractions in [0, 1]")

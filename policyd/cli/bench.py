@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from policyd.cli.arguments import fraction_list, int_at_least, int_list
+from policyd.cli.arguments import fraction_list, int_at_least, int_list, tier_list
 from policyd.core.names import POLICY_NAMES, split_policies
 from policyd.core.profiles import PROFILES
 from policyd.tiers.gpu import DEFAULT_STEP_OPS
@@ -99,9 +99,10 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     )
     bench.add_argument(
         "--host-blocks",
-        type=int_list(),
+        type=tier_list(),
         default=[0, 16384],
-        help="comma-separated host tier sizes, blocks (default 0,16384)",
+        help="comma-separated host tier sizes: blocks, or a multiple of each GPU tier size "
+        "('1x': as large as the GPU's; default 0,16384)",
     )
     bench.add_argument(
         "--streams",
