@@ -80,18 +80,29 @@ TRACE_POINTS: list[tuple[str, int, int, int, int]] = [
 def test_agentkv_is_never_more_than_one_percent_behind_lru_on_real_traces(
     trace: str, limit: int, order: int, concurrency: int, gpu_multiple: int
 ) -> None:
-    path = local_trace(trace)
-    if path is None or not path.exists():
+    point = _trace_point(trace, limit, order, concurrency, gpu_multiple)
+    if point is None:
         pytest.skip(f"no {trace} here ($AGENTKV_TRACES)")
-    work = load_source(Source(trace, str(path), limit), order, 0)
-    gpu = largest_request(work) * gpu_multiple
-    config = SimConfig(concurrency=concurrency, gpu_blocks=gpu, host_blocks=gpu)
+    work, config = point
     lru = simulate(work, "lru", config)
     ours = simulate(work, "agentkv", config)
     assert ours.hit_rate >= lru.hit_rate * (1 - TOLERANCE), (
-        f"{trace}[:{limit}] order {order} C={concurrency} {gpu} + {gpu} blocks: "
-        f"agentkv {ours.hit_rate:.4f}, lru {lru.hit_rate:.4f}"
+        f"{trace}[:{limit}] order {order} C={concurrency} {config.gpu_blocks} + "
+        f"{config.host_blocks} blocks: agentkv {ours.hit_rate:.4f}, lru {lru.hit_rate:.4f}"
     )
+
+
+def _trace_point(
+    trace: str, limit: int, order: int, concurrency: int, gpu_multiple: int
+) -> tuple[Workload, SimConfig] | None:
+    """The trace's first ``limit`` workflows in ``order`` and its tiers (the GPU tier
+    ``gpu_multiple`` times its largest request, the host tier as large); None: no copy here."""
+    path = local_trace(trace)
+    if path is None or not path.exists():
+        return None
+    work = load_source(Source(trace, str(path), limit), order, 0)
+    gpu = largest_request(work) * gpu_multiple
+    return work, SimConfig(concurrency=concurrency, gpu_blocks=gpu, host_blocks=gpu)
 
 
 def main() -> None:
@@ -107,15 +118,12 @@ def main() -> None:
         work = make_workload(name, seed=1, **params)
         for host in (False, True):
             _row(name, work, _point(work, concurrency, host))
-    for trace, limit, order, concurrency, gpu_multiple in TRACE_POINTS:
-        path = local_trace(trace)
-        if path is None or not path.exists():
+    for trace, limit, order, *tiers in TRACE_POINTS:
+        point = _trace_point(trace, limit, order, *tiers)
+        if point is None:
             print(f"(no {trace} here: set $AGENTKV_TRACES)")
-            continue
-        work = load_source(Source(trace, str(path), limit), order, 0)
-        gpu = largest_request(work) * gpu_multiple
-        config = SimConfig(concurrency=concurrency, gpu_blocks=gpu, host_blocks=gpu)
-        _row(f"{trace}[:{limit}], order {order}", work, config)
+        else:
+            _row(f"{trace}[:{limit}], order {order}", *point)
     print("command: .venv/bin/python -m tests.test_never_behind_lru")
 
 
