@@ -192,7 +192,8 @@ def test_a_forked_shadow_lets_its_sources_pins_go() -> None:
     source.applier.max_pinned_blocks = 2
     pin = PolicySnapshot(version=1, ts=0.0, ttl_s=5.0, policy="agentkv", pin=(1, 4))
     source.adopt(pin, {})
-    source.start("q", "w", (7,), (0,), 1)  # a lookup: the plan (its pins) runs
+    source.start("q", "w", (7,), (0,), 1)  # lookups: the plan (its pins) runs
+    source.start("q2", "w", (8,), (0,), 1)
     assert source.applier.pinned.keys() == {1, 4} and source.gpu.refs[1] == 1
     fork = ShadowTiers.forked(source, host_ordered=False)
     assert 1 not in fork.gpu.refs and 4 not in fork.gpu.refs and fork.gpu.refs[7] == 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from policyd.core.queues import LruQueue
-from policyd.core.types import PolicySnapshot, ScoredBlocks
+from policyd.core.types import PolicySnapshot, ScoredBlocks, WriteFilter
 from policyd.sim.cache import GpuTier
 from policyd.tiers.budget import ADOPT_COST_OPS, BATCH_OPS, STARVED_STEPS, StepBudget
 from policyd.tiers.gpu import GpuApplier
@@ -192,6 +192,42 @@ def test_one_step_budget_is_shared_by_the_gpu_plan_and_the_host_rekeying() -> No
         spent.append(applier.counters.ops - ops)
     assert spent[:2] == [4, 2] and sum(spent) == 6  # the plan's 10 moves, then the walk alone
     assert not host.rekeying and applier.counters.ranked_blocks == 10
+
+
+def test_the_host_order_takes_a_view_that_orders_it_once_recounted_and_lru_at_once() -> None:
+    """A view that orders the host tier waits for the retired set's recount; one that does not
+    (vLLM's default, a write filter alone) is taken at once, however long the recount it starts
+    (un-retiring a workflow of many blocks) takes: a guard's switch away from the learned order
+    makes the host tier vLLM's LRU at the next lookup."""
+    own = Ownership()
+    own.record("done", list(range(100, 500)))  # 400 blocks: 100 recount units
+    gpu = pool_with_free([], capacity=4)
+    applier = GpuApplier(gpu)
+    host: HostOrder[int] = HostOrder(int)
+    for key in range(100, 110):
+        host.insert(key, evictable=True)
+    budget = StepBudget(applier, host, ops_per_step=12)
+    learned = SnapshotView.of(
+        PolicySnapshot(
+            version=1, ts=0.0, ttl_s=60.0, policy="t", retired_workflows=("done",),
+            host_scores=(ScoredBlocks(1.0, (100,)),),
+        )
+    )  # fmt: skip
+    budget.adopt(learned, own.retire(frozenset({"done"})))
+    budget.run()
+    assert host.view is None  # still recounting: the order waits for a settled retired set
+    while applier.busy:
+        budget.new_step()
+        budget.run()
+    assert host.view is learned and host.peek_order()[0] == 101  # all retired; 100 scored last
+    filtered = SnapshotView.of(
+        PolicySnapshot(version=2, ts=0.0, ttl_s=60.0, policy="t", write_filter=WriteFilter("fixed"))
+    )
+    budget.new_step()
+    budget.adopt(filtered, own.retire(frozenset()))  # un-retires 400 blocks: many steps
+    assert host.view is filtered and host.evict(1) == [100]  # LRU at once
+    budget.run()
+    assert applier.busy and len(own.dead) > 0  # the recount goes on under the budget
 
 
 def test_the_step_that_adopts_a_snapshot_pays_for_it_from_its_budget() -> None:

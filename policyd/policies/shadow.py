@@ -189,11 +189,6 @@ def _same(block: int) -> int:
     return block
 
 
-def _orders_host(view: SnapshotView) -> bool:
-    """The view gives the host tier an order (``HostOrder``: scores, staged or retired)."""
-    return bool(view.host_scores or view.stage or view.retired_workflows)
-
-
 class ShadowTiers:
     """One sampled GPU tier and host tier, in vLLM's order or, once it ``adopt``\\ s them, a
     policy's snapshots' (module doc). ``host_ordered``: its snapshots may order the host tier
@@ -276,7 +271,7 @@ class ShadowTiers:
         ``scores`` and ``host_scores`` are its two orders as maps (the policy has them: a view
         shares them rather than copying; ``host_scores`` None: ``scores`` orders both)."""
         view = None if snapshot is None else self._view(snapshot, scores, host_scores)
-        if view is not None and not self.host_ordered and _orders_host(view):
+        if view is not None and not self.host_ordered and view.orders_host:
             raise ValueError("this shadow's arm does not order the host tier")
         self.view = view
         retired = view.retired_workflows if view is not None else frozenset()

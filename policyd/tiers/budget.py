@@ -71,12 +71,23 @@ class StepBudget:
 
     def adopt(self, view: SnapshotView | None, retirement: Retirement) -> None:
         """A new view (``None``: stale): the GPU plan for it, then the host order takes it once
-        the retired set is recounted; the next ``run`` (the adopting step's) is charged for it."""
-        host = self.host
+        the retired set is recounted; the next ``run`` (the adopting step's) is charged for it.
 
-        def settled() -> None:
-            if host is not None:
-                host.set_view(view, retirement.blocks if view is not None else frozenset())
+        A view that gives the host tier no order (vLLM's default, a write filter alone, a stale
+        snapshot: ``SnapshotView.orders_host``) needs no retired set there, so the host order
+        takes it at once and is vLLM's LRU from this step on. The recount that the GPU plan
+        still starts with (un-retiring what the last order's list retired) can take thousands
+        of steps where a workflow owns thousands of blocks, and plans superseded before it ends
+        never settle: a switch of the recency guard to vLLM's default or the write filter alone
+        would leave the host tier in the learned order for as long."""
+        host = self.host
+        settled: Callable[[], None] | None = None
+        if host is not None and (view is None or not view.orders_host):
+            host.set_view(view, frozenset())
+        elif host is not None:
+
+            def settled() -> None:
+                host.set_view(view, retirement.blocks)
 
         self.applier.adopt(view, retirement, on_settled=settled)
         self._adopted = True

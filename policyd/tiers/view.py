@@ -69,6 +69,12 @@ class SnapshotView:
         """The same for the host tier, in the snapshot's host order when it gives one."""
         return self.host_scores.get(block, self.default_score)
 
+    @property
+    def orders_host(self) -> bool:
+        """Whether the view gives the host tier an order (``HostOrder``: scores, staged or
+        retired blocks); one that does not (vLLM's default, a write filter alone) keeps it LRU."""
+        return bool(self.host_scores or self.stage or self.retired_workflows)
+
 
 def _top(
     groups: Sequence[ScoredBlocks], scores: Mapping[int, float], floor: float, limit: int
