@@ -198,7 +198,7 @@ def test_the_host_order_takes_a_view_that_orders_it_once_recounted_and_lru_at_on
     """A view that orders the host tier waits for the retired set's recount; one that does not
     (vLLM's default, a write filter alone) is taken at once, however long the recount it starts
     (un-retiring a workflow of many blocks) takes: a guard's switch away from the learned order
-    makes the host tier vLLM's LRU at the next lookup."""
+    makes the host tier vLLM's LRU from the adopting step on."""
     own = Ownership()
     own.record("done", list(range(100, 500)))  # 400 blocks: 100 recount units
     gpu = pool_with_free([], capacity=4)
