@@ -107,12 +107,14 @@ def _check(owners: dict[int, str], steps: list[tuple[str, object]], live: tuple[
         for mark, then in held:
             assert {b for b in BLOCKS if mark.retired(b)} == then
             assert set(mark.blocks()) == then
+            assert mark.any_retired() == bool(then)  # (the walk-free answer)
 
     groups = [ScoredBlocks(2.0, live[:3]), ScoredBlocks(1.0, live[2:])]
     ranked = disjoint(groups, lifecycle.mark())
     retired = lifecycle.group(groups)
     expected = score_map(groups if retired is None else [*groups, retired])
     assert dict(ranked.scores) == expected
+    assert bool(ranked.scores) == bool(expected)  # (``__bool__`` walks nothing)
     assert {b: ranked.scores.get(b, 0.0) for b in BLOCKS} == {
         b: expected.get(b, 0.0) for b in BLOCKS
     }
@@ -135,6 +137,23 @@ def test_a_score_map_outlives_the_next_snapshot() -> None:
     assert first[1] == 1.0 and second[1] == RETIRED_SCORE
     with pytest.raises(KeyError):
         _ = second[2]
+
+
+def test_whether_a_score_map_scores_anything_is_answered_without_a_walk() -> None:
+    """Every tier adopting a view asks whether it orders the host tier (``bool`` of its host
+    scores): that must not walk the retired set, which outnumbers the live blocks where
+    workflows are short."""
+    state = _state(dict.fromkeys(BLOCKS, "a"))
+    lifecycle = Lifecycle()
+    empty = disjoint([], lifecycle.mark()).scores
+    state.workflows["a"].done = True
+    lifecycle.observe(WorkflowFinished(ts=0.0, workflow_id="a"), state)
+    retired_only = disjoint([], lifecycle.mark()).scores
+    live_only = disjoint([ScoredBlocks(1.0, (1,))], Lifecycle().mark()).scores
+    with patch.object(RetiredMark, "blocks", side_effect=AssertionError("walked")):
+        assert not empty
+        assert retired_only
+        assert live_only
 
 
 @settings(max_examples=200, deadline=None)

@@ -57,6 +57,15 @@ class RetiredMark:
         was = self.was.get(block)
         return block in self.then if was is None else was
 
+    def any_retired(self) -> bool:
+        """Whether any block was retired at the mark; stops at the first found (a walk only
+        when none was, and then over the blocks logged since)."""
+        was = self.was
+        for block in self.then:
+            if was.get(block, True):
+                return True
+        return any(was.values())
+
     def blocks(self) -> Iterator[int]:
         """Every block retired at the mark (a walk over the retired set)."""
         return (b for b in self.then | self.was.keys() if self.retired(b))

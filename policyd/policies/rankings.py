@@ -180,3 +180,8 @@ class ScoreMap(Mapping[int, float]):
     def __len__(self) -> int:
         """A walk, as ``__iter__``: the hot paths only look scores up."""
         return sum(1 for _ in self)
+
+    def __bool__(self) -> bool:
+        """Whether it scores any block, without the walk ``__len__`` takes (a tier asks this
+        of every view it adopts)."""
+        return bool(self.live) or self._mark.any_retired()
