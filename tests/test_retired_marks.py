@@ -25,7 +25,11 @@ from policyd.core.types import (
 from policyd.policies import lifecycle as lifecycle_module
 from policyd.policies import rankings
 from policyd.policies.lifecycle import RETIRED_SCORE, Lifecycle, RetiredMark
-from policyd.policies.rankings import disjoint
+from policyd.policies.rankings import ScoreMap, disjoint
+from policyd.sim.config import SimConfig
+from policyd.sim.replay import simulate
+from policyd.workloads.calls import sequential
+from policyd.workloads.synthetic import synthetic_agents
 
 BLOCKS = list(range(1, 13))
 WORKFLOWS = ["a", "b", "c"]
@@ -154,6 +158,32 @@ def test_whether_a_score_map_scores_anything_is_answered_without_a_walk() -> Non
         assert not empty
         assert retired_only
         assert live_only
+
+
+def test_an_agentkv_replay_of_one_call_workflows_never_walks_a_score_map() -> None:
+    """Where every workflow is one call nearly every block is retired, and a walk of a
+    snapshot's scores per adoption made agentkv's replay quadratic (the first 300 Mooncake
+    calls took 10x as long): the replay's hot paths only look scores up."""
+    calls = [c for stream in synthetic_agents(seed=0, workflows=40) for c in stream][:40]
+    config = SimConfig(concurrency=1, gpu_blocks=8_000, host_blocks=8_000, snapshot_interval_s=0.1)
+    walks = {"iter": 0, "len": 0}
+    real_iter, real_len = ScoreMap.__iter__, ScoreMap.__len__
+
+    def counted_iter(self: ScoreMap) -> object:
+        walks["iter"] += 1
+        return real_iter(self)
+
+    def counted_len(self: ScoreMap) -> int:
+        walks["len"] += 1
+        return real_len(self)
+
+    with (
+        patch.object(ScoreMap, "__iter__", counted_iter),
+        patch.object(ScoreMap, "__len__", counted_len),
+    ):
+        report = simulate(sequential(calls), "agentkv", config, model="python")
+    assert report.requests == 40 and report.hit_rate > 0
+    assert walks == {"iter": 0, "len": 0}
 
 
 @settings(max_examples=200, deadline=None)
