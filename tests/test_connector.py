@@ -476,9 +476,7 @@ def _held_state(order: HostOrder[int]) -> tuple[object, ...]:
         order._slot_of,
         order._free_slots,
         order._heap,
-        order._by_rank,
         order._next_heap,
-        order._next_by_rank,
         order._next_rank,
     )
 
@@ -549,8 +547,8 @@ def test_a_compacted_heap_goes_to_release_and_the_order_is_unchanged() -> None:
     assert order.rekeying  # 350 entries for 50 keys: a compaction is due
     used = order.rekey(None)
     assert used == 25  # two keys a unit, nothing for the freeing
-    # both heaps (by priority and by rank) were replaced and handed over
-    assert released == [350, 350] and order.peek_order() == before and not order.rekeying
+    # the heap was replaced and handed over
+    assert released == [350] and order.peek_order() == before and not order.rekeying
 
 
 def test_evict_is_atomic() -> None:

@@ -6,26 +6,27 @@ rank)``, the score from the snapshot's host order (``host_scores``) when it give
 ``scores``. With no snapshot, or one that gives the host tier no order (no scores, nothing
 retired or staged: vLLM's default, or a write filter alone), the order *is* LRU, identical to
 vLLM's ``LRUCachePolicy`` (a request's keys are ranked tail first, so its head, the shared
-prefix, stays longest) - from the moment the view is set: evictions then take a second heap
-kept by recency rank alone, so no key keeps a score from an earlier snapshot while the walk
-below has not reached it.
+prefix, stays longest) - from the moment the view is set: evictions then take the oldest keys
+of the recency order (every key, in rank order, in one ordered dict), so no key keeps a score
+from an earlier snapshot while the walk below has not reached it.
 
-Evictable keys sit in a lazy min-heap keyed by that priority (and in the rank heap); every
-call is O(log n) but one: a new snapshot changes every key's priority, and re-keying every key
-at once takes time in proportion to the tier, more than a scheduler step can afford on a large
-one. So ``set_view`` is O(1) and the re-keying is a *walk* over the evictable keys,
-``REKEY_CHUNK`` keys per unit of work, performed by ``rekey(units)`` within the connector's
-per-step budget (the simulator calls it at the same points). A key the walk has not reached
-keeps its previous priority; one inserted or touched meanwhile gets the new one. Stale heap
-entries (a key re-keyed or touched leaves its old one behind) are dropped by a compaction pass
-of the same kind, which builds fresh heaps beside the live ones and swaps them in; the old heaps
-go to ``release`` (the connector frees them off vLLM's thread). ``evict`` is atomic: ``None``
-and no change when it cannot take exactly ``n`` unprotected keys.
+Evictable keys sit in a lazy min-heap keyed by that priority; every call is O(log n) but one:
+a new snapshot changes every key's priority, and re-keying every key at once takes time in
+proportion to the tier, more than a scheduler step can afford on a large one. So ``set_view``
+is O(1) and the re-keying is a *walk* over the evictable keys, ``REKEY_CHUNK`` keys per unit of
+work, performed by ``rekey(units)`` within the connector's per-step budget (the simulator calls
+it at the same points). A key the walk has not reached keeps its previous priority; one
+inserted or touched meanwhile gets the new one. Stale heap entries (a key re-keyed or touched
+leaves its old one behind) are dropped by a compaction pass of the same kind, which builds a
+fresh heap beside the live one and swaps it in; the old heap goes to ``release`` (the connector
+frees it off vLLM's thread). ``evict`` is atomic: ``None`` and no change when it cannot take
+exactly ``n`` unprotected keys.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, KeysView
 from collections.abc import Set as AbstractSet
 from typing import Any, Final, Generic, TypeVar
@@ -45,10 +46,11 @@ class HostOrder(Generic[K]):
 
     def __init__(self, block_of: Callable[[K], int]) -> None:
         self.block_of = block_of
-        self._rank: dict[K, int] = {}
+        # every key -> its recency rank, in rank order (oldest first: a key given a new rank
+        # moves to the end), so the oldest evictable keys are at the front
+        self._rank: OrderedDict[K, int] = OrderedDict()
         self._prio: dict[K, Priority] = {}  # the evictable keys, at their current priority
         self._heap: list[tuple[Priority, K]] = []
-        self._by_rank: list[tuple[int, K]] = []  # the evictable keys by recency rank alone
         self._next_rank = 0
         self._view: SnapshotView | None = None
         self._retired: AbstractSet[int] = frozenset()
@@ -61,7 +63,6 @@ class HostOrder(Generic[K]):
         # whether another walk is owed (a view arrived during one)
         self._walking = False
         self._next_heap: list[tuple[Priority, K]] | None = None
-        self._next_by_rank: list[tuple[int, K]] = []
         self._cursor = 0
         self._owed = False
         # what becomes of a heap a compaction replaced: freeing it is O(n), the costliest thing
@@ -97,7 +98,7 @@ class HostOrder(Generic[K]):
         return self._owed or self._walking or self._next_heap is not None or self._compaction_due()
 
     def _compaction_due(self) -> bool:
-        return max(len(self._heap), len(self._by_rank)) > STALE_FACTOR * len(self._prio) + 64
+        return len(self._heap) > STALE_FACTOR * len(self._prio) + 64
 
     # -- the snapshot -----------------------------------------------------------------------
 
@@ -121,7 +122,7 @@ class HostOrder(Generic[K]):
                 self._owed, self._walking, self._cursor = False, True, 0
                 continue  # starting costs nothing
             elif self._compaction_due():
-                self._next_heap, self._next_by_rank, self._cursor = [], [], 0
+                self._next_heap, self._cursor = [], 0
                 continue
             else:
                 break
@@ -149,23 +150,20 @@ class HostOrder(Generic[K]):
             self._walking = False
 
     def _compact_chunk(self) -> None:
-        """Copy the next ``REKEY_CHUNK`` slots' current entries into the fresh heaps (by
-        priority and by rank); at the end they replace the live ones, which go to ``release``."""
-        nxt, nxt_by_rank = self._next_heap, self._next_by_rank
+        """Copy the next ``REKEY_CHUNK`` slots' current entries into the fresh heap; at the end
+        it replaces the live one, which goes to ``release``."""
+        nxt = self._next_heap
         assert nxt is not None
-        slots, prio, rank = self._slots, self._prio, self._rank
+        slots, prio = self._slots, self._prio
         end = min(self._cursor + REKEY_CHUNK, len(slots))
         for i in range(self._cursor, end):
             key = slots[i]
             if key is not None:
                 heapq.heappush(nxt, (prio[key], key))
-                heapq.heappush(nxt_by_rank, (rank[key], key))
         self._cursor = end
         if end >= len(slots):
             old, self._heap, self._next_heap = self._heap, nxt, None
-            old_by_rank, self._by_rank, self._next_by_rank = self._by_rank, nxt_by_rank, []
             self.release(old)
-            self.release(old_by_rank)
 
     def _priority(self, key: K) -> Priority:
         view = self._view
@@ -174,29 +172,24 @@ class HostOrder(Generic[K]):
         return _priority_under(view, self._retired, self.block_of(key), self._rank[key])
 
     def _push(self, key: K) -> None:
-        """``key`` became evictable or took a new rank: an entry in both heaps."""
+        """``key`` became evictable or took a new rank: an entry in the heap."""
         self._prio[key] = p = self._priority(key)
-        r = (self._rank[key], key)
         heapq.heappush(self._heap, (p, key))
-        heapq.heappush(self._by_rank, r)
         nxt = self._next_heap
         if nxt is not None and self._slot_of[key] < self._cursor:  # compaction has passed it
             heapq.heappush(nxt, (p, key))
-            heapq.heappush(self._next_by_rank, r)
         elif self._room() < 0:
             self._compact_now()
 
     def _room(self) -> int:
-        """Entries the heaps may still gain before, with nobody running ``rekey``, they are
-        rebuilt at once (``_compact_now``)."""
-        return 32 * len(self._prio) + 2048 - len(self._heap) - len(self._by_rank)
+        """Entries the heap may still gain before, with nobody running ``rekey``, it is rebuilt
+        at once (``_compact_now``)."""
+        return 16 * len(self._prio) + 1024 - len(self._heap)
 
     def _compact_now(self) -> None:
-        """Nobody runs ``rekey`` and the heaps are mostly stale entries: rebuild them at once."""
+        """Nobody runs ``rekey`` and the heap is mostly stale entries: rebuild it at once."""
         self._heap = [(q, k) for k, q in self._prio.items()]
         heapq.heapify(self._heap)
-        self._by_rank = [(self._rank[k], k) for k in self._prio]
-        heapq.heapify(self._by_rank)
 
     # -- membership -------------------------------------------------------------------------
 
@@ -220,6 +213,7 @@ class HostOrder(Generic[K]):
     def insert(self, key: K, evictable: bool = False) -> None:
         self._next_rank += 1
         self._rank[key] = self._next_rank
+        self._rank.move_to_end(key)
         if key in self._slot_of:
             self._push(key)  # inserted again: its rank, and so its priority, changed
         elif evictable:
@@ -232,18 +226,19 @@ class HostOrder(Generic[K]):
         rank_of, slot_of, prio = self._rank, self._slot_of, self._prio
         slots, free_slots = self._slots, self._free_slots
         view, retired, block_of = self._view, self._retired, self.block_of
-        heappush = heapq.heappush
+        heappush, to_end = heapq.heappush, rank_of.move_to_end
         rank = self._next_rank
-        room = self._room()  # kept as the loop goes: a new key adds 32, two entries take 2
+        room = self._room()  # kept as the loop goes: a new key adds 16, an entry takes 1
         for key in keys:
             rank += 1
             held = key in rank_of
             rank_of[key] = rank
             if held:
+                to_end(key)
                 if key not in slot_of:
                     continue  # held, not evictable: a new rank only
             else:
-                room += 32
+                room += 16
                 if free_slots:
                     slot = free_slots.pop()
                     slots[slot] = key
@@ -258,14 +253,11 @@ class HostOrder(Generic[K]):
                 else _priority_under(view, retired, block_of(key), rank)
             )
             prio[key] = p
-            r = (rank, key)
             heappush(self._heap, (p, key))
-            heappush(self._by_rank, r)
-            room -= 2
+            room -= 1
             nxt = self._next_heap
             if nxt is not None and slot_of[key] < self._cursor:
                 heappush(nxt, (p, key))
-                heappush(self._next_by_rank, r)
             elif room < 0:
                 self._next_rank = rank
                 self._compact_now()
@@ -287,8 +279,6 @@ class HostOrder(Generic[K]):
         self._rank.clear()
         self._prio.clear()
         self._heap = []
-        self._by_rank = []
-        self._next_by_rank = []
         self._slots.clear()
         self._slot_of.clear()
         self._free_slots.clear()
@@ -325,18 +315,14 @@ class HostOrder(Generic[K]):
         prio, key = entry
         return self._prio.get(key) == prio
 
-    def _current_rank(self, entry: tuple[int, K]) -> bool:
-        rank, key = entry
-        return key in self._prio and self._rank[key] == rank
-
     def evict(self, n: int, protected: set[K] | frozenset[K] = frozenset()) -> list[K] | None:
         """Take exactly ``n`` evictable, unprotected keys in priority order (in rank order while
         the view gives the host tier no order), or None (no change)."""
         if n <= 0:
             return []
         if self._plain:
-            taken = _take(self._by_rank, self._current_rank, n, protected)
-            chosen = [(self._prio[key], key) for _, key in taken] if taken is not None else None
+            oldest = self._oldest(n, protected)
+            chosen = None if oldest is None else [(self._prio[key], key) for key in oldest]
         else:
             chosen = _take(self._heap, self._current, n, protected)
         if chosen is None:
@@ -345,6 +331,19 @@ class HostOrder(Generic[K]):
             self.remove(key)
         self.evicted(chosen)
         return [key for _, key in chosen]
+
+    def _oldest(self, n: int, protected: AbstractSet[K]) -> list[K] | None:
+        """The ``n`` evictable, unprotected keys of the oldest ranks, or None when there are
+        fewer: a walk from the front of the recency order, past the keys held (a store or a
+        load in flight) or protected, which are few."""
+        prio = self._prio
+        chosen: list[K] = []
+        for key in self._rank:
+            if key in prio and key not in protected:
+                chosen.append(key)
+                if len(chosen) == n:
+                    return chosen
+        return None
 
     @property
     def view(self) -> SnapshotView | None:
@@ -356,13 +355,14 @@ class HostOrder(Generic[K]):
         return self._prio.get(key)
 
     def by_recency(self) -> list[K]:
-        """Every key, least recently used first (O(n log n))."""
-        return sorted(self._rank, key=self._rank.__getitem__)
+        """Every key, least recently used first."""
+        return list(self._rank)
 
     def peek_order(self) -> list[K]:
         """Every evictable key, first victim first (tests and debugging; O(n log n))."""
         if self._plain:
-            return sorted(self._prio, key=self._rank.__getitem__)
+            prio = self._prio
+            return [key for key in self._rank if key in prio]
         return [k for _, k in sorted((p, k) for k, p in self._prio.items())]
 
 
