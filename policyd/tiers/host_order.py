@@ -359,10 +359,10 @@ class HostOrder(Generic[K]):
         return list(self._rank)
 
     def peek_order(self) -> list[K]:
-        """Every evictable key, first victim first (tests and debugging; O(n log n))."""
+        """Every evictable key, first victim first (tests and debugging; O(n log n)): sorted by
+        the ranks and priorities themselves, not read off the order ``evict`` walks."""
         if self._plain:
-            prio = self._prio
-            return [key for key in self._rank if key in prio]
+            return sorted(self._prio, key=self._rank.__getitem__)
         return [k for _, k in sorted((p, k) for k, p in self._prio.items())]
 
 
