@@ -153,8 +153,8 @@ class ShadowPool:
 class LruOrder(LruQueue):
     """The order of a tier that no snapshot orders (vLLM's default, or a write filter alone):
     vLLM's LRU (``core.queues.LruQueue``, one ordered dict) under ``HostOrder``'s calls, the
-    evictions ``HostOrder`` makes with no view, without its two heaps. Every key is evictable:
-    for the guard's shadows, which write a request's blocks when it finishes
+    evictions ``HostOrder`` makes with no view, without its priority heap and slots. Every key
+    is evictable: for the guard's shadows, which write a request's blocks when it finishes
     (``ShadowTiers``), with nothing in flight.
 
     >>> order = LruOrder()

@@ -82,12 +82,14 @@ class StepBudget:
         would leave the host tier in the learned order for as long."""
         host = self.host
         settled: Callable[[], None] | None = None
-        if host is not None and (view is None or not view.orders_host):
-            host.set_view(view, frozenset())
-        elif host is not None:
+        if host is not None:
+            if view is not None and view.orders_host:
 
-            def settled() -> None:
-                host.set_view(view, retirement.blocks)
+                def settled() -> None:
+                    host.set_view(view, retirement.blocks)
+
+            else:
+                host.set_view(view, frozenset())
 
         self.applier.adopt(view, retirement, on_settled=settled)
         self._adopted = True
